@@ -1,0 +1,41 @@
+# Quantyard: two commands on a fresh machine.
+#   make demo   set up .venv, build the demo checkpoint, run the main flow, print the results table
+#   make test   set up .venv and run the whole test suite
+# Heavy, slow-to-build pieces (the llama-cpp-python wheel, the llama.cpp converter, the demo
+# checkpoint) are cached under $(QUANTYARD_CACHE_DIR) (default ~/.cache/quantyard), outside the repo.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.quantyard-setup
+PIP    := $(BIN)/python -m pip
+
+.PHONY: setup demo test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch comes from the local CPU build (pip install torch==2.13.0 takes it from disk here);
+# everything else is pinned by requirements/core.lock.
+$(STAMP): $(BIN)/python pyproject.toml requirements/core.lock requirements/llama-cpp.lock scripts/bootstrap_llama_cpp.py
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -c requirements/core.lock -e '.[dev]'
+	$(BIN)/python scripts/bootstrap_llama_cpp.py $(BIN)/python
+	touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/quantyard demo
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts

@@ -1,0 +1,68 @@
+"""The Converter protocol: what every format (GGUF, AWQ, EXL2) implements.
+
+A conversion has two phases so shared work happens once per source:
+
+1. ``prepare`` builds what every variant of the format shares (the GGUF F16
+   base, the EXL2 measurement) and returns plain paths and flags;
+2. ``build`` makes one variant from that, into ``out_dir``.
+
+``check`` runs before either and must fail fast (seconds) on anything the
+format cannot handle, so no time or disk is spent on doomed work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from converters.checkpoint import Checkpoint
+from pipeline.config import Settings
+from pipeline.specs import QuantFormat, SourceRef
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    checkpoint: Checkpoint
+    source: SourceRef
+    model_name: str
+    settings: Settings
+
+    @property
+    def file_stem(self) -> str:
+        return self.model_name.rsplit("/", 1)[-1]
+
+
+@dataclass
+class Prepared:
+    """What ``prepare`` produced: paths only, so it can cross process and task boundaries."""
+
+    paths: dict[str, str] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)  # work actually done, e.g. ["convert_base"]
+
+
+@dataclass
+class BuiltVariant:
+    variant: str
+    files: dict[str, Path]  # logical file name -> path on disk
+    tool: dict[str, Any]
+    parameters: dict[str, Any]
+    events: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Converter(Protocol):
+    format: ClassVar[QuantFormat]
+
+    def tool_identity(self) -> dict[str, Any]:
+        """Name and exact versions of the tools that produce the bytes (part of every build key)."""
+        ...
+
+    def check(self, checkpoint: Checkpoint, specs: list[Any]) -> None:
+        """Raise a typed error now if any of ``specs`` cannot be built from ``checkpoint``."""
+        ...
+
+    def prepare(self, ctx: BuildContext, specs: list[Any]) -> Prepared: ...
+
+    def build(self, ctx: BuildContext, prepared: Prepared, spec: Any, out_dir: Path) -> BuiltVariant: ...

@@ -1,0 +1,334 @@
+"""Inspect and validate a Hugging Face checkpoint folder before any work is spent on it.
+
+Checks are cheap (headers and config only) and run before a converter starts,
+so bad input fails in seconds with a typed error and leaves the registry untouched:
+config present and parseable, known ``model_type``, no remote code unless
+trusted, safetensors headers complete and consistent with the file sizes and
+with the shapes ``config.json`` implies, a tokenizer present, no pickle weights
+unless allowed, and no file or symlink escaping the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import (
+    InvalidCheckpointError,
+    SourceNotFoundError,
+    UnsafeSourceError,
+    UnsupportedArchitectureError,
+)
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
+HASH_SKIP_DIRS = {".git", ".cache", "__pycache__", ".huggingface"}
+# safetensors dtypes and their sizes in bits
+_ST_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8,
+            "U16": 16, "U32": 32, "U64": 64, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4,
+            "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+
+@dataclass
+class Checkpoint:
+    """A validated checkpoint folder."""
+
+    path: Path
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    weight_files: list[Path] = field(default_factory=list)
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type"))
+
+    @property
+    def architecture(self) -> str:
+        arches = self.config.get("architectures") or []
+        if not arches and isinstance(self.config.get("text_config"), dict):
+            arches = self.config["text_config"].get("architectures") or []
+        return str(arches[0]) if arches else f"{self.model_type}ForCausalLM"
+
+    @property
+    def torch_dtype(self) -> str:
+        return str(self.config.get("torch_dtype") or self.config.get("dtype") or "float32")
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.weight_files)
+
+    @property
+    def n_params(self) -> int:
+        total = 0
+        for t in self.tensors.values():
+            n = 1
+            for d in t.shape:
+                n *= d
+            total += n
+        return total
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidCheckpointError(f"{what} {path} is not valid JSON: {exc}",
+                                     hint="re-download or re-save the checkpoint") from exc
+
+
+def _check_inside(root: Path, path: Path, allowed_roots: tuple[Path, ...]) -> None:
+    real = path.resolve()
+    roots = (root.resolve(), *(r.resolve() for r in allowed_roots))
+    if not any(real.is_relative_to(r) for r in roots):
+        raise UnsafeSourceError(
+            f"{path} resolves to {real}, outside the checkpoint folder {root}",
+            hint="copy the file into the folder instead of linking to it")
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and validate a safetensors header without reading tensor data.
+
+    Validates what the safetensors format guarantees: a sane header length, JSON,
+    known dtypes, offsets that are contiguous and inside the file, and byte counts
+    equal to ``prod(shape) * dtype size``. Raises InvalidCheckpointError naming the
+    first problem (the ``safetensors`` library itself would only fail later, mid-load).
+    """
+    size = path.stat().st_size
+    if size < 8:
+        raise InvalidCheckpointError(f"{path.name} is {size} bytes: too short to be a safetensors file",
+                                     hint="re-download the file")
+    with path.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if n <= 0 or n > _MAX_HEADER or 8 + n > size:
+            raise InvalidCheckpointError(
+                f"{path.name}: safetensors header claims {n} bytes but the file has {size}",
+                hint="the file is truncated or not safetensors; re-download it")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidCheckpointError(f"{path.name}: safetensors header is not valid JSON ({exc})",
+                                     hint="the file is corrupt; re-download it") from exc
+    if not isinstance(header, dict):
+        raise InvalidCheckpointError(f"{path.name}: safetensors header is not a JSON object")
+    data_len = size - 8 - n
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidCheckpointError(f"{path.name}: tensor {name!r} has a malformed header entry") from exc
+        if dtype not in _ST_BITS:
+            raise InvalidCheckpointError(f"{path.name}: tensor {name!r} has unknown dtype {dtype!r}")
+        count = 1
+        for d in shape:
+            if d < 0:
+                raise InvalidCheckpointError(f"{path.name}: tensor {name!r} has a negative dimension {shape}")
+            count *= d
+        want = (count * _ST_BITS[dtype] + 7) // 8
+        if end - start != want or start < 0:
+            raise InvalidCheckpointError(
+                f"{path.name}: tensor {name!r} {dtype}{list(shape)} needs {want} bytes, header gives "
+                f"{end - start}", hint="the file is corrupt; re-download it")
+        if end > data_len:
+            raise InvalidCheckpointError(
+                f"{path.name}: tensor {name!r} ends at byte {end} of the data section but the file only "
+                f"has {data_len} data bytes (truncated)", hint="re-download the file")
+        spans.append((start, end))
+        tensors[name] = TensorInfo(name=name, dtype=dtype, shape=shape, file=path.name)
+    spans.sort()
+    pos = 0
+    for start, end in spans:
+        if start != pos:
+            raise InvalidCheckpointError(f"{path.name}: tensor data is not contiguous at byte {start}",
+                                         hint="the file is corrupt; re-save it with safetensors")
+        pos = end
+    if pos != data_len:
+        raise InvalidCheckpointError(f"{path.name}: {data_len - pos} trailing bytes after the last tensor",
+                                     hint="the file is corrupt; re-download it")
+    return tensors
+
+
+def _weight_files(root: Path, allow_pickle: bool, allowed_roots: tuple[Path, ...]) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        data = _read_json(index, "weight index")
+        names = sorted(set((data.get("weight_map") or {}).values()))
+        if not names:
+            raise InvalidCheckpointError(f"{index} has an empty weight_map")
+        files = []
+        for name in names:
+            if Path(name).is_absolute() or ".." in Path(name).parts or "/" in name or "\\" in name:
+                raise UnsafeSourceError(f"{index.name} names the shard {name!r}, which is not a plain file "
+                                        f"name inside {root}", hint="fix the index's weight_map")
+            shard = root / name
+            if not shard.exists():
+                raise InvalidCheckpointError(f"{index.name} lists {name} but it is missing from {root}",
+                                             hint="download every shard of the checkpoint")
+            _check_inside(root, shard, allowed_roots)
+            files.append(shard)
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if files:
+        for f in files:
+            _check_inside(root, f, allowed_roots)
+        return files
+    pickles = sorted(p for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles and not allow_pickle:
+        raise UnsafeSourceError(
+            f"{root} holds only pickle weights ({', '.join(p.name for p in pickles[:3])}); loading them can "
+            "run arbitrary code", hint="convert them to safetensors, or pass --allow-pickle if you trust them")
+    if pickles:
+        return pickles
+    raise InvalidCheckpointError(f"no weights in {root}: expected *.safetensors files "
+                                 "(or model.safetensors.index.json and its shards)")
+
+
+def _known_model_types() -> set[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return set(CONFIG_MAPPING_NAMES)
+
+
+def _check_shapes(ckpt: Checkpoint) -> None:
+    """Compare tensor shapes with those transformers builds from config.json (on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(ckpt.path, trust_remote_code=False)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers raises many types for bad configs
+        raise InvalidCheckpointError(f"config.json in {ckpt.path} does not describe a causal LM that "
+                                     f"transformers can build: {exc}") from exc
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, t in ckpt.tensors.items():
+        want = expected.get(name)
+        if want is not None and want != t.shape:
+            raise InvalidCheckpointError(
+                f"tensor {name} in {t.file} has shape {list(t.shape)} but config.json implies {list(want)}",
+                hint="the weights do not belong to this config; check hidden_size / vocab_size / layers")
+    missing = [k for k in expected if k not in ckpt.tensors and not _tied(k, config)]
+    if missing and ckpt.tensors:
+        raise InvalidCheckpointError(
+            f"{len(missing)} tensors that config.json implies are missing, e.g. {missing[0]}",
+            hint="the checkpoint is incomplete; download every shard")
+
+
+def _tied(name: str, config: Any) -> bool:
+    return name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False))
+
+
+def load_checkpoint(path: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+                    allowed_roots: tuple[Path, ...] = (), check_shapes: bool = True) -> Checkpoint:
+    """Validate ``path`` as a causal-LM checkpoint and return its description.
+
+    Raises:
+        SourceNotFoundError, InvalidCheckpointError, UnsupportedArchitectureError, UnsafeSourceError.
+    """
+    if not path.exists():
+        raise SourceNotFoundError(f"source {path} does not exist",
+                                  hint="pass a checkpoint folder or a hub id such as owner/name")
+    if not path.is_dir():
+        raise InvalidCheckpointError(f"source {path} is a file, expected a checkpoint folder with config.json",
+                                     hint="pass the folder that holds config.json and the weights")
+    for child in path.rglob("*"):
+        if child.is_symlink():
+            _check_inside(path, child, allowed_roots)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise InvalidCheckpointError(f"{path} has no config.json; expected a Hugging Face checkpoint folder",
+                                     hint="save the model with save_pretrained(), or point at the right folder")
+    config = _read_json(cfg_path, "config")
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise InvalidCheckpointError(f"{cfg_path} has no model_type", hint="re-save the config with transformers")
+    known = _known_model_types()
+    if config["model_type"] not in known:
+        raise UnsupportedArchitectureError(
+            f"model_type {config['model_type']!r} in {cfg_path} is unknown to transformers",
+            supported=sorted(known), hint="check config.json; custom architectures are not supported")
+    if config.get("auto_map") and not trust_remote_code:
+        raise UnsafeSourceError(f"{cfg_path} asks to run remote code (auto_map)",
+                                hint="pass --trust-remote-code only if you trust this repository")
+    for p in path.iterdir():
+        if p.is_file() and p.stat().st_size == 0 and p.suffix in (".json", ".safetensors", ".model"):
+            raise InvalidCheckpointError(f"{p.name} in {path} is empty", hint="re-download the checkpoint")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise InvalidCheckpointError(f"{path} has no tokenizer: expected one of {', '.join(TOKENIZER_FILES)}",
+                                     hint="save the tokenizer next to the model (tokenizer.save_pretrained)")
+    ckpt = Checkpoint(path=path, config=config)
+    ckpt.weight_files = _weight_files(path, allow_pickle, allowed_roots)
+    for f in ckpt.weight_files:
+        if f.suffix == ".safetensors":
+            ckpt.tensors.update(read_safetensors_header(f))
+    if check_shapes:
+        _check_shapes(ckpt)
+    return ckpt
+
+
+# --- content hash --------------------------------------------------------------------------------
+
+
+class HashCache:
+    """sha256 of files, cached by (path, size, mtime, inode) in a small SQLite file."""
+
+    def __init__(self, db: Path | None) -> None:
+        self.db = db
+
+    def sha256(self, path: Path) -> str:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+        if self.db is not None:
+            self.db.parent.mkdir(parents=True, exist_ok=True)
+            with sqlite3.connect(self.db, timeout=30) as conn:
+                conn.execute("CREATE TABLE IF NOT EXISTS h (p TEXT, s INT, m INT, i INT, d TEXT, "
+                             "PRIMARY KEY (p, s, m, i))")
+                row = conn.execute("SELECT d FROM h WHERE p=? AND s=? AND m=? AND i=?", key).fetchone()
+                if row:
+                    return str(row[0])
+        digest = _sha256(path)
+        if self.db is not None:
+            with sqlite3.connect(self.db, timeout=30) as conn:
+                conn.execute("INSERT OR REPLACE INTO h VALUES (?,?,?,?,?)", (*key, digest))
+        return digest
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(4 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def content_hash(root: Path, cache: HashCache | None = None) -> str:
+    """sha256 over (relative path, size, sha256) of every file under ``root``, in sorted order."""
+    cache = cache or HashCache(None)
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if d not in HASH_SKIP_DIRS and not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            h.update(f"{rel}\0{p.stat().st_size}\0{cache.sha256(p)}\n".encode())
+    return h.hexdigest()

@@ -1,0 +1,129 @@
+"""Orchestrator side of the engine protocol: start a runner, contain its failures, score its output.
+
+See ``evaluators/runners/_protocol.py`` for the request and output formats.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from evaluators.metrics import compare
+from pipeline.config import Settings
+from pipeline.errors import EngineError
+from pipeline.plan import EvalSpec
+from pipeline.proc import child_env, run_logged
+from pipeline.specs import Engine, QuantFormat
+
+
+@dataclass(frozen=True)
+class RunnerCommand:
+    """How to start one engine's runner: which interpreter, which module, which environment."""
+
+    engine: Engine
+    python: str
+    module: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RunnerOutput:
+    result: dict[str, Any]
+    arrays: Path | None  # logprobs.npz, when quality was requested
+    wall_s: float
+
+
+@dataclass
+class EvalOutcome:
+    """What an evaluation of one variant on one engine produced (metrics already computed)."""
+
+    engine: str
+    engine_version: str
+    hardware: dict[str, Any]
+    window_set_id: str | None
+    quality: dict[str, Any] | None
+    speed: dict[str, Any] | None
+    wall_s: float
+    fallback: str | None = None  # set when a reference engine stood in for the real one
+
+    def records(self) -> list[dict[str, Any]]:
+        """Registry result records (one for quality, one for speed)."""
+        base = {"engine": self.engine, "engine_version": self.engine_version, "hardware": self.hardware,
+                "status": "ok", "wall_s": self.wall_s}
+        out = []
+        if self.quality is not None:
+            out.append({**base, "kind": "quality", "window_set_id": self.window_set_id,
+                        "metrics": {**self.quality, **({"fallback": self.fallback} if self.fallback else {})}})
+        if self.speed is not None:
+            out.append({**base, "kind": "speed", "window_set_id": None, "metrics": self.speed})
+        return out
+
+
+def run_runner(cmd: RunnerCommand, request: dict[str, Any], out_dir: Path, timeout_s: float) -> RunnerOutput:
+    """Run a runner to completion.
+
+    Raises:
+        EngineError: the runner crashed, was killed (OOM, SIGKILL), timed out, or wrote no result.
+    """
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    req_path = out_dir / "request.json"
+    req_path.write_text(json.dumps({**request, "out_dir": str(out_dir)}, indent=2))
+    env = child_env(cmd.env)
+    started = time.perf_counter()
+    res = run_logged([cmd.python, "-m", cmd.module, str(req_path)], log_dir=out_dir, name="runner",
+                     timeout_s=timeout_s, env=env)
+    result_path = out_dir / "result.json"
+    if not res.ok or not result_path.is_file():
+        how = res.describe() if not res.ok else "exited without writing result.json"
+        raise EngineError(f"{cmd.engine.value} runner {how}", engine=cmd.engine.value, returncode=res.returncode,
+                          stderr_tail=res.stderr_tail, hint=f"full log: {res.log}")
+    arrays = out_dir / "logprobs.npz"
+    return RunnerOutput(result=json.loads(result_path.read_text()), arrays=arrays if arrays.is_file() else None,
+                        wall_s=time.perf_counter() - started)
+
+
+def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def score(reference: Path, output: RunnerOutput, engine: Engine) -> dict[str, Any]:
+    """Metrics of a runner's output against the reference file (see evaluators.metrics.compare)."""
+    if output.arrays is None:
+        raise EngineError(f"{engine.value} runner wrote no log-probs", engine=engine.value)
+    ref = load_arrays(reference)
+    q = load_arrays(output.arrays)
+    metrics = compare(ref, q)
+    metrics.update({k: v for k, v in output.result.get("quality", {}).items() if k not in metrics})
+    return metrics
+
+
+def speed_request(spec: EvalSpec) -> dict[str, Any] | None:
+    s = spec.speed
+    if not s.enabled:
+        return None
+    return {"repeats": s.repeats, "prompt_tokens": s.prompt_tokens, "gen_tokens": s.gen_tokens,
+            "parallel": list(s.parallel), "parallel_prompt_tokens": s.parallel_prompt_tokens,
+            "parallel_gen_tokens": s.parallel_gen_tokens}
+
+
+class Evaluator(Protocol):
+    """One engine. Implementations are listed in ``evaluators/__init__.py``."""
+
+    engine: ClassVar[Engine]
+    formats: ClassVar[frozenset[QuantFormat]]
+
+    def unavailable_reason(self, settings: Settings) -> str | None:
+        """None when this engine can run here, else why not (shown in listings)."""
+        ...
+
+    def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
+                 out_dir: Path, settings: Settings) -> EvalOutcome: ...

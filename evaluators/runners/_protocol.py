@@ -1,0 +1,159 @@
+"""Runner side of the engine protocol. Standard library + numpy only: runners execute in
+foreign interpreters (managed tool environments) where nothing else of Quantyard is installed.
+
+A runner is started as ``python -m evaluators.runners.<engine> REQUEST.json``. The request holds
+``model``, ``windows`` (npz from evaluators.windows), optional ``ref_topk`` (npz with
+``topk_ids``), ``top_k``, ``threads``, ``out_dir`` and optional ``speed`` settings. The runner writes
+``out_dir/logprobs.npz`` and, last, ``out_dir/result.json``; a missing ``result.json`` means the
+runner died.
+
+Per scored position (window-major order, see WindowSet) ``logprobs.npz`` holds:
+
+* ``target_logprob`` float64 [N]: log p(actual next token);
+* ``top1`` int32 [N]: the engine's most likely token;
+* ``topk_ids`` int32 [N,K], ``topk_logprobs`` float32 [N,K], ``tail_logprob`` float64 [N]: the engine's
+  own top-K and the log of the probability mass outside it (what a reference stores);
+* with ``ref_topk``: ``at_ref_logprobs`` float32 [N,K] and ``at_ref_tail`` float64 [N]: the engine's
+  log-probs at the *reference's* top-K ids and the log of its mass outside those ids, which is what
+  KL-divergence against the reference needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BLOCK = 64  # positions per vectorised block: bounds memory at BLOCK x vocab doubles
+
+
+def read_request() -> dict[str, Any]:
+    if len(sys.argv) != 2:
+        raise SystemExit(f"usage: python -m {sys.argv[0]} REQUEST.json")
+    return dict(json.loads(Path(sys.argv[1]).read_text()))
+
+
+def load_windows(path: str) -> tuple[np.ndarray, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return z["ids"].astype(np.int64), z["score_start"].astype(np.int64)
+
+
+def load_ref_ids(path: str | None) -> np.ndarray | None:
+    if not path:
+        return None
+    with np.load(path, allow_pickle=False) as z:
+        return z["topk_ids"].astype(np.int64)
+
+
+def _logsumexp(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    out = np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True)) + m
+    return np.squeeze(out, axis=axis)
+
+
+def _mass_outside(lp: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    masked = lp.copy()
+    np.put_along_axis(masked, idx, -np.inf, axis=1)
+    return _logsumexp(masked, axis=1)
+
+
+class Collector:
+    """Accumulates per-position outputs from full logits, window by window."""
+
+    def __init__(self, top_k: int, ref_ids: np.ndarray | None) -> None:
+        self.top_k = top_k
+        self.ref_ids = ref_ids
+        self.cursor = 0
+        self.parts: dict[str, list[np.ndarray]] = {k: [] for k in (
+            "target_logprob", "top1", "topk_ids", "topk_logprobs", "tail_logprob", "at_ref_logprobs",
+            "at_ref_tail")}
+
+    def add_window(self, logits: np.ndarray, ids: np.ndarray, start: int) -> None:
+        """``logits`` [W, V] for window ids [W]; row i-1 predicts ids[i] for i >= start."""
+        rows = logits[start - 1: len(ids) - 1]
+        targets = ids[start:]
+        for b in range(0, len(targets), BLOCK):
+            self._add_block(rows[b:b + BLOCK], targets[b:b + BLOCK])
+
+    def add_logprobs(self, lp: np.ndarray, targets: np.ndarray) -> None:
+        """Add rows that are already log-probabilities (e.g. from an engine that returns them)."""
+        self._add_block(lp, targets, normalised=True)
+
+    def _add_block(self, rows: np.ndarray, targets: np.ndarray, normalised: bool = False) -> None:
+        x = rows.astype(np.float64)
+        lp = x if normalised else x - _logsumexp(x, axis=1)[:, None]
+        n = len(targets)
+        k = min(self.top_k, lp.shape[1])
+        part = np.argpartition(-lp, k - 1, axis=1)[:, :k]
+        order = np.argsort(-np.take_along_axis(lp, part, axis=1), axis=1, kind="stable")
+        topk = np.take_along_axis(part, order, axis=1)
+        p = self.parts
+        p["target_logprob"].append(lp[np.arange(n), targets])
+        p["top1"].append(np.argmax(lp, axis=1).astype(np.int32))
+        p["topk_ids"].append(topk.astype(np.int32))
+        p["topk_logprobs"].append(np.take_along_axis(lp, topk, axis=1).astype(np.float32))
+        p["tail_logprob"].append(_mass_outside(lp, topk))
+        if self.ref_ids is not None:
+            ref = self.ref_ids[self.cursor:self.cursor + n]
+            if len(ref) != n:
+                raise SystemExit(f"reference has {len(self.ref_ids)} positions, fewer than the window set")
+            p["at_ref_logprobs"].append(np.take_along_axis(lp, ref, axis=1).astype(np.float32))
+            p["at_ref_tail"].append(_mass_outside(lp, ref))
+        self.cursor += n
+
+    def save(self, out_dir: Path) -> int:
+        arrays = {k: np.concatenate(v) for k, v in self.parts.items() if v}
+        tmp = out_dir / "logprobs.tmp.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, out_dir / "logprobs.npz")
+        return self.cursor
+
+
+def hardware(threads: int | None = None) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            gpu = out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "gpu": gpu,
+            "machine": platform.machine(), "system": platform.system()}
+
+
+def stats(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {"median": float(np.median(s)), "min": float(s[0]), "max": float(s[-1]), "n": len(s)}
+
+
+def write_result(out_dir: Path, result: dict[str, Any]) -> None:
+    """Write result.json atomically; it is the runner's 'I finished' signal."""
+    tmp = out_dir / "result.tmp.json"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out_dir / "result.json")
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.s = time.perf_counter() - self.t0

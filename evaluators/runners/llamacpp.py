@@ -1,0 +1,133 @@
+"""llama.cpp runner (llama-cpp-python): log-probs on the shared windows, then speed.
+
+Quality: each window is evaluated as one batch with ``logits_all``; the full logits of
+every position feed the shared Collector. Speed (when asked): prompt processing tok/s
+and time to first token on a ``prompt_tokens`` prompt, decode tok/s over ``gen_tokens``
+greedy tokens, each repeated ``repeats`` times (median/min/max); throughput at several
+parallel sequences comes from ``llama-batched-bench`` of the same build.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from evaluators.runners._protocol import (
+    Collector,
+    Timer,
+    hardware,
+    load_ref_ids,
+    load_windows,
+    read_request,
+    stats,
+    write_result,
+)
+
+
+def _quality(req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    ids, starts = load_windows(req["windows"])
+    window = ids.shape[1]
+    llm = Llama(model_path=req["model"], n_ctx=window, n_batch=window, n_ubatch=window, logits_all=True,
+                n_threads=req["threads"], n_threads_batch=req["threads"], n_gpu_layers=req.get("n_gpu_layers", 0),
+                verbose=False)
+    vocab = llm.n_vocab()
+    col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")))
+    with Timer() as t:
+        for k in range(ids.shape[0]):
+            llm.reset()
+            llm.eval(ids[k].tolist())
+            logits = np.asarray(llm.scores[:window], dtype=np.float32)
+            col.add_window(logits, ids[k], int(starts[k]))
+    n = col.save(out_dir)
+    del llm
+    return {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": vocab}
+
+
+def _argmax_last(llm: Any) -> int:
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
+
+
+def _single_stream(req: dict[str, Any], prompt: list[int], gen: int, repeats: int) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=req["model"], n_ctx=len(prompt) + gen + 8, n_batch=len(prompt), n_ubatch=len(prompt),
+                logits_all=False, n_threads=req["threads"], n_threads_batch=req["threads"],
+                n_gpu_layers=req.get("n_gpu_layers", 0), verbose=False)
+    llm.reset()
+    llm.eval(prompt[:16])  # warm-up: page in weights, build graphs
+    pp, ttft, tg = [], [], []
+    for _ in range(repeats):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        tok = _argmax_last(llm)
+        t1 = time.perf_counter()
+        for _ in range(gen):
+            llm.eval([tok])
+            tok = _argmax_last(llm)
+        t2 = time.perf_counter()
+        pp.append(len(prompt) / (t1 - t0))
+        ttft.append((t1 - t0) * 1000.0)
+        tg.append(gen / (t2 - t1))
+    return {"prompt_tok_per_s": stats(pp), "ttft_ms": stats(ttft), "decode_tok_per_s": stats(tg)}
+
+
+def _parallel(req: dict[str, Any], speed: dict[str, Any]) -> dict[str, Any]:
+    """Aggregate decode throughput at N parallel sequences, via llama-batched-bench (same build)."""
+    bin_dir = Path(speed["bin_dir"])
+    npl = ",".join(str(n) for n in speed["parallel"])
+    pp, tg = int(speed["parallel_prompt_tokens"]), int(speed["parallel_gen_tokens"])
+    ctx = max(speed["parallel"]) * (pp + tg) + 64
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", req["model"], "-c", str(ctx), "-b", "2048", "-ub", "512",
+           "-npp", str(pp), "-ntg", str(tg), "-npl", npl, "-t", str(req["threads"]), "--output-format", "jsonl",
+           "-ngl", str(req.get("n_gpu_layers", 0))]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=speed.get("timeout_s", 1800))
+    if out.returncode != 0:
+        return {"error": f"llama-batched-bench exited {out.returncode}: {out.stderr[-800:]}"}
+    rows = {}
+    for line in out.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        row = json.loads(line)
+        if "pl" in row:
+            rows[str(row["pl"])] = {"aggregate_tok_per_s": row.get("speed"), "decode_tok_per_s": row.get("speed_tg"),
+                                    "prompt_tok_per_s": row.get("speed_pp"), "prompt_tokens": row.get("pp"),
+                                    "gen_tokens": row.get("tg")}
+    return {"by_parallel": rows, "tool": "llama-batched-bench"}
+
+
+def main() -> None:
+    req = read_request()
+    out_dir = Path(req["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import llama_cpp
+
+    result: dict[str, Any] = {"engine": "llama.cpp", "engine_version": f"llama-cpp-python {llama_cpp.__version__}"
+                              + (f" (llama.cpp {req['llama_cpp_commit']})" if req.get("llama_cpp_commit") else ""),
+                              "hardware": hardware(req["threads"])}
+    if req.get("windows"):
+        result["quality"] = _quality(req, out_dir)
+    speed = req.get("speed")
+    if speed:
+        ids, _ = load_windows(req["windows"]) if req.get("windows") else (np.arange(1, 600)[None], None)
+        flat = ids.reshape(-1).tolist()
+        prompt = (flat * (speed["prompt_tokens"] // max(1, len(flat)) + 1))[: speed["prompt_tokens"]]
+        result["speed"] = _single_stream(req, prompt, int(speed["gen_tokens"]), int(speed["repeats"]))
+        result["speed"]["prompt_tokens"] = len(prompt)
+        result["speed"]["gen_tokens"] = int(speed["gen_tokens"])
+        result["speed"]["repeats"] = int(speed["repeats"])
+        if speed.get("parallel"):
+            result["speed"]["parallel"] = _parallel(req, speed)
+    write_result(out_dir, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Plain functions for every stage of a conversion run. ``flows/tasks.py`` wraps them as Prefect
+tasks; tests call them directly. They pass paths, digests and registry references, never tensors.
+
+This is the only layer that joins converters, evaluators and the registry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from converters import converter_class
+from converters.base import BuildContext, BuiltVariant, Prepared
+from converters.checkpoint import Checkpoint, load_checkpoint
+from converters.source import resolve_source
+from evaluators import DEFAULT_ENGINE, get_evaluator
+from evaluators.base import EvalOutcome
+from evaluators.reference import reference_key, run_reference
+from evaluators.windows import build_window_set
+from pipeline import __version__
+from pipeline.config import Settings
+from pipeline.demo_model import CALIB_TEXT, EVAL_TEXT, DemoRecipe, corpus
+from pipeline.errors import ConfigError, QuantyardError
+from pipeline.plan import EvalSpec, Plan
+from pipeline.specs import SourceKind, SourceRef, spec_digest, validate_model_name
+from registry import open_registry
+from registry.store import RegisterRequest, VersionView
+
+
+@dataclass
+class Resolved:
+    """A pinned, validated source."""
+
+    source: SourceRef
+    model_name: str
+    checkpoint: Checkpoint
+
+    @property
+    def architecture(self) -> str:
+        return self.checkpoint.architecture
+
+
+def default_model_name(source: SourceRef) -> str:
+    if source.kind == SourceKind.HUB and source.repo_id:
+        return source.repo_id
+    name = Path(source.path).name
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in name).strip("-.") or "model"
+    return cleaned
+
+
+def resolve(plan: Plan, settings: Settings) -> Resolved:
+    """Resolve and validate the source, then let every requested format check it (fail fast)."""
+    src = resolve_source(plan.source.source, revision=plan.source.revision, cache_dir=settings.cache_dir,
+                         allow_pickle=plan.source.allow_pickle)
+    allowed = (Path(src.path).parent.parent,) if src.kind == SourceKind.HUB else ()
+    ckpt = load_checkpoint(Path(src.path), allow_pickle=plan.source.allow_pickle,
+                           trust_remote_code=plan.source.trust_remote_code, allowed_roots=allowed)
+    name = validate_model_name(plan.model_name or default_model_name(src))
+    resolved = Resolved(source=src, model_name=name, checkpoint=ckpt)
+    for fmt, specs in plan.by_format().items():
+        make_converter(fmt, plan, settings).check(ckpt, specs)
+    return resolved
+
+
+def make_converter(fmt: str, plan: Plan, settings: Settings) -> Any:
+    cls = converter_class(fmt)
+    if fmt == "gguf":
+        return cls(settings.llama_cpp_tools_dir, python=settings.core_python, base_type=plan.gguf_base_type)
+    return cls(settings)
+
+
+def build_key(source: SourceRef, spec: Any, tool: dict[str, Any]) -> str:
+    """Cache key of one variant build: source identity, spec, exact tool versions, quantyard version."""
+    payload = json.dumps({"source": source.identity, "spec": spec.model_dump(mode="json"), "tool": tool,
+                          "quantyard": __version__}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def find_existing(settings: Settings, resolved: Resolved, spec: Any, key: str) -> VersionView | None:
+    reg = open_registry(settings.registry)
+    return reg.find_build(resolved.model_name, spec.name, key)
+
+
+def prepare_format(fmt: str, plan: Plan, resolved: Resolved, specs: list[Any], settings: Settings) -> Prepared:
+    ctx = BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
+                       settings=settings)
+    return make_converter(fmt, plan, settings).prepare(ctx, specs)
+
+
+def build_variant(fmt: str, plan: Plan, resolved: Resolved, prepared: Prepared, spec: Any,
+                  settings: Settings, staging: Path) -> BuiltVariant:
+    ctx = BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
+                       settings=settings)
+    return make_converter(fmt, plan, settings).build(ctx, prepared, spec, staging / spec.name)
+
+
+def lineage(resolved: Resolved, spec: Any, built: BuiltVariant, key: str) -> dict[str, Any]:
+    src = resolved.source
+    return {
+        "source": {"identity": src.identity, "kind": src.kind.value, "repo_id": src.repo_id,
+                   "revision": src.revision, "commit": src.commit, "content_hash": src.content_hash,
+                   "path": src.path, "architecture": resolved.architecture,
+                   "torch_dtype": resolved.checkpoint.torch_dtype},
+        "spec": spec.model_dump(mode="json"),
+        "spec_digest": spec_digest(spec),
+        "tool": built.tool,
+        "parameters": built.parameters,
+        "info": built.info,
+        "quantyard_version": __version__,
+        "build_key": key,
+        "environment": {"python": sys.version.split()[0], "platform": platform.platform()},
+        "built_at": datetime.now(UTC).isoformat(),
+    }
+
+
+def register(settings: Settings, resolved: Resolved, spec: Any, built: BuiltVariant, key: str,
+             force: bool) -> VersionView:
+    reg = open_registry(settings.registry)
+    return reg.register_version(RegisterRequest(
+        model=resolved.model_name, architecture=resolved.architecture, source=resolved.source,
+        variant=spec.name, format=spec.format.value, spec=spec.model_dump(mode="json"), build_key=key,
+        lineage=lineage(resolved, spec, built, key), files=built.files, force=force))
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+
+
+def eval_text(spec: EvalSpec, resolved: Resolved) -> tuple[str, str]:
+    """The evaluation text and where it came from: --eval-text, a dataset, the checkpoint's own
+    held-out ``eval.txt`` (the demo), or the demo corpus' held-out split (offline default)."""
+    if spec.text_file:
+        path = Path(spec.text_file).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"evaluation text {path} does not exist", hint="pass an existing --eval-text file")
+        return path.read_text(encoding="utf-8"), f"file:{path.name}"
+    if spec.dataset:
+        return _dataset_text(spec.dataset), f"dataset:{spec.dataset}"
+    own = resolved.checkpoint.path / EVAL_TEXT
+    if own.is_file():
+        return own.read_text(encoding="utf-8"), f"checkpoint:{EVAL_TEXT}"
+    return corpus(DemoRecipe())["eval"], "builtin:python-stdlib-heldout"
+
+
+def calibration_text(resolved: Resolved, path: str | None = None) -> tuple[str, str]:
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"calibration text {p} does not exist")
+        return p.read_text(encoding="utf-8"), f"file:{p.name}"
+    own = resolved.checkpoint.path / CALIB_TEXT
+    if own.is_file():
+        return own.read_text(encoding="utf-8"), f"checkpoint:{CALIB_TEXT}"
+    return corpus(DemoRecipe())["calib"], "builtin:python-stdlib-calibration"
+
+
+def _dataset_text(name: str) -> str:
+    try:
+        import datasets  # optional dependency
+    except ImportError as exc:
+        raise ConfigError("--eval-dataset needs the optional 'datasets' package",
+                          hint="pip install 'quantyard[datasets]', or pass --eval-text FILE") from exc
+    parts = name.split(":")
+    ds = datasets.load_dataset(parts[0], parts[1] if len(parts) > 2 and parts[1] else None,
+                               split=parts[-2] if len(parts) >= 3 else (parts[1] if len(parts) == 2 else "test"))
+    column = parts[3] if len(parts) >= 4 else "text"
+    return "\n\n".join(str(t) for t in ds[column])
+
+
+def ensure_window_set(settings: Settings, resolved: Resolved, spec: EvalSpec) -> tuple[Path, dict[str, Any], bool]:
+    """The window set for this source and settings, from the registry or built and registered now.
+
+    Returns (path to the npz in the blob store, its metadata, whether it was built now).
+    """
+    text, origin = eval_text(spec, resolved)
+    key = hashlib.sha256(json.dumps({"text": hashlib.sha256(text.encode()).hexdigest(), "window": spec.window,
+                                     "stride": spec.stride, "max_windows": spec.max_windows},
+                                    sort_keys=True).encode()).hexdigest()
+    reg = open_registry(settings.registry)
+    found = reg.find_source_artifact(resolved.source, "window_set", key)
+    if found is not None:
+        return reg.artifact_path(found), found.meta, False
+    ws = build_window_set(resolved.checkpoint.path, text, window=spec.window, stride=spec.stride,
+                          max_windows=spec.max_windows)
+    with tempfile.TemporaryDirectory(dir=_tmp_root(settings)) as tmp:
+        path = Path(tmp) / "windows.npz"
+        ws.save(path)
+        meta = {**ws.meta(), "origin": origin}
+        art = reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
+                                      source=resolved.source, kind="window_set", key=key,
+                                      name=f"windows-{ws.id[:12]}.npz", path=path, meta=meta)
+    return reg.artifact_path(art), art.meta, True
+
+
+def ensure_reference(settings: Settings, resolved: Resolved, windows: Path, ws_meta: dict[str, Any],
+                     spec: EvalSpec) -> tuple[Path, dict[str, Any], bool]:
+    """Reference log-probs for (source, window set), computed once and reused from the registry."""
+    key = reference_key(str(ws_meta["id"]), spec)
+    reg = open_registry(settings.registry)
+    found = reg.find_source_artifact(resolved.source, "reference", key)
+    if found is not None:
+        return reg.artifact_path(found), found.meta, False
+    with tempfile.TemporaryDirectory(dir=_tmp_root(settings)) as tmp:
+        out, summary = run_reference(resolved.checkpoint.path, windows, Path(tmp) / "ref", spec, settings)
+        assert out.arrays is not None
+        art = reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
+                                      source=resolved.source, kind="reference", key=key,
+                                      name=f"reference-{key[:12]}.npz", path=out.arrays,
+                                      meta={**summary, "window_set_id": ws_meta["id"]})
+    return reg.artifact_path(art), art.meta, True
+
+
+def _tmp_root(settings: Settings) -> Path:
+    root = settings.work_root / "tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def has_quality_result(version: VersionView, engine: str, window_set_id: str) -> bool:
+    return any(r.kind == "quality" and r.status == "ok" and r.engine == engine and r.window_set_id == window_set_id
+               for r in version.results)
+
+
+def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_meta: dict[str, Any],
+                     reference: Path, spec: EvalSpec) -> EvalOutcome:
+    """Evaluate one registered version on its format's engine and attach the results.
+
+    Raises EngineError (after recording a failed result) when the engine fails.
+    """
+    reg = open_registry(settings.registry)
+    version = reg.get_version(ref)
+    engine = DEFAULT_ENGINE[fmt]
+    evaluator = get_evaluator(engine)
+    with tempfile.TemporaryDirectory(dir=_tmp_root(settings)) as tmp:
+        model_dir = Path(tmp) / "model"
+        files = reg.link_files(ref, model_dir)
+        model = model_path(fmt, files, model_dir)
+        try:
+            outcome = evaluator.evaluate(model, windows=windows, window_set_id=str(ws_meta["id"]),
+                                         reference=reference, spec=spec, out_dir=Path(tmp) / "eval",
+                                         settings=settings)
+        except QuantyardError as exc:
+            reg.add_result(ref, {"kind": "quality", "engine": engine, "status": "failed",
+                                 "window_set_id": ws_meta["id"], "error": _error_text(exc)})
+            raise
+    for record in outcome.records():
+        reg.add_result(version.ref, record)
+    return outcome
+
+
+def _error_text(exc: QuantyardError) -> str:
+    tail = getattr(exc, "stderr_tail", "") or ""
+    return f"{type(exc).__name__}: {exc.message}" + (f"\n--- stderr tail ---\n{tail[-2000:]}" if tail else "")
+
+
+def model_path(fmt: str, files: list[Path], folder: Path) -> Path:
+    """What an engine loads: the (first) GGUF file, or the folder for directory formats."""
+    if fmt == "gguf":
+        ggufs = sorted(f for f in files if f.suffix == ".gguf")
+        return ggufs[0]
+    return folder
+
+
+def cleanup(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

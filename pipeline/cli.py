@@ -1,0 +1,314 @@
+"""The ``quantyard`` command line (Typer + Rich).
+
+Exit codes: 0 success; 1 a check failed (validate, verify); 2 bad usage or bad input
+(typed errors from pipeline.errors); 3 a tool or engine failed; 4 an internal error.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from pipeline.errors import EXIT_ENGINE, EXIT_INTERNAL, EXIT_USAGE, QuantyardError
+from pipeline.specs import gguf_type_names
+
+app = typer.Typer(name="quantyard", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Convert Hugging Face causal LMs to GGUF / AWQ / EXL2, evaluate them on their engines "
+                       "with one shared method, and keep them in a versioned registry.")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+RegistryOpt = Annotated[str | None, typer.Option(
+    "--registry",
+    help="Registry folder or URI (default: $QUANTYARD_REGISTRY, else ~/.local/share/quantyard/registry).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+
+
+def prefect_defaults() -> None:
+    """Embedded Prefect without telemetry, with generous start-up time (set before prefect is imported)."""
+    for key, value in {
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "",
+    }.items():
+        os.environ.setdefault(key, value)
+    if os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY") == "":
+        del os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]
+
+
+def settings(registry: str | None = None, **overrides: Any) -> Any:
+    from pipeline.config import Settings
+
+    values = {k: v for k, v in overrides.items() if v is not None}
+    if registry is not None:
+        values["registry"] = registry
+    return Settings(**values)
+
+
+def handle_errors(fn: F) -> F:
+    """Map typed errors to exit codes; with --json, errors are JSON on stdout too."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from pipeline.render import err_console, print_json
+
+        try:
+            return fn(*args, **kwargs)
+        except QuantyardError as exc:
+            if kwargs.get("as_json"):
+                print_json(exc.to_dict())
+            err_console.print(f"[bold red]error[/] ({type(exc).__name__}): {exc.message}")
+            if exc.hint:
+                err_console.print(f"  [yellow]→[/] {exc.hint}")
+            tail = getattr(exc, "stderr_tail", "")
+            if tail:
+                err_console.print("[dim]" + tail[-1500:] + "[/]")
+            raise typer.Exit(exc.exit_code) from None
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # an internal bug: say so, keep the traceback
+            err_console.print_exception()
+            err_console.print(f"[bold red]internal error[/]: {type(exc).__name__}: {exc}")
+            raise typer.Exit(EXIT_INTERNAL) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@app.command()
+@handle_errors
+def convert(
+    source: Annotated[str, typer.Argument(help="Checkpoint folder, or hub id OWNER/NAME.")],
+    gguf: Annotated[str | None, typer.Option(help="Comma-separated llama.cpp types: "
+                                             + ", ".join(gguf_type_names()))] = None,
+    awq: Annotated[bool, typer.Option("--awq", help="Add a 4-bit AWQ variant.")] = False,
+    awq_backend: Annotated[str, typer.Option(help="llmcompressor | autoawq")] = "llmcompressor",
+    exl2: Annotated[str | None, typer.Option(help="Comma-separated EXL2 bits per weight, e.g. 4.0,6.0")] = None,
+    name: Annotated[str | None, typer.Option(help="Model name in the registry (default: folder or hub id).")] = None,
+    revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit (pinned to its SHA).")] = None,
+    registry: RegistryOpt = None,
+    force: Annotated[bool, typer.Option(help="Build and register new versions even if identical ones exist.")]
+    = False,
+    eval_text: Annotated[Path | None, typer.Option(help="Evaluation text file (default: held-out text).")] = None,
+    window: Annotated[int, typer.Option(help="Evaluation window length in tokens.")] = 512,
+    stride: Annotated[int, typer.Option(help="Evaluation window stride in tokens.")] = 512,
+    max_windows: Annotated[int | None, typer.Option(help="Evaluate at most this many windows.")] = None,
+    top_k: Annotated[int, typer.Option(help="Reference top-K log-probs stored per position.")] = 32,
+    no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip evaluation.")] = False,
+    no_speed: Annotated[bool, typer.Option("--no-speed", help="Skip speed measurements.")] = False,
+    threads: Annotated[int | None, typer.Option(help="CPU threads for tools and engines.")] = None,
+    allow_pickle: Annotated[bool, typer.Option(help="Accept pickle (.bin) weights.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow checkpoints that need remote code.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Convert SOURCE into GGUF / AWQ / EXL2 variants, evaluate them and register them."""
+    from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+
+    plan = Plan(
+        source=SourceInput(source=source, revision=revision, allow_pickle=allow_pickle,
+                           trust_remote_code=trust_remote_code),
+        model_name=name, variants=variants_from_flags(gguf=gguf, awq=awq, awq_backend=awq_backend, exl2=exl2),
+        eval=EvalSpec(enabled=not no_eval, text_file=str(eval_text) if eval_text else None, window=window,
+                      stride=stride, max_windows=max_windows, top_k=top_k,
+                      speed=SpeedSpec(enabled=not no_speed)),
+        force=force)
+    run_plan(plan, settings(registry, threads=threads), as_json)
+
+
+def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
+    from pipeline.render import console, print_json, progress, results_table
+    from pipeline.results import table_rows
+
+    prefect_defaults()
+    from flows.quantize import convert_flow
+
+    with progress(not as_json):
+        report = convert_flow(plan, cfg)
+    if as_json:
+        print_json(report.model_dump(mode="json"))
+    else:
+        ref = report.reference or {}
+        ws_id = str((report.window_set or {}).get("id", ""))[:12]
+        caption = (f"source {report.source['identity'][:40]} · window set {ws_id}"
+                   f" · reference PPL {ref.get('ppl', float('nan')):.4f} ({ref.get('engine_version', '—')})"
+                   if report.reference else None)
+        console.print(results_table(f"{report.model}  ({report.wall_s:.1f} s)", table_rows(report.variants), caption))
+        for v in report.variants:
+            if v.error or v.eval_error:
+                console.print(f"[red]{v.variant}[/]: {v.error or v.eval_error}")
+    if not report.ok or any(v.eval_status == "failed" for v in report.variants):
+        raise typer.Exit(EXIT_ENGINE)
+
+
+@app.command()
+@handle_errors
+def models(registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
+    """List the models in the registry."""
+    from pipeline.render import console, print_json
+    from registry import open_registry
+
+    rows = open_registry(settings(registry).registry).list_models()
+    if as_json:
+        print_json([m.model_dump() for m in rows])
+        return
+    from rich.table import Table
+
+    table = Table("model", "architecture", "variants", "versions", "created", header_style="bold")
+    for m in rows:
+        table.add_row(m.name, m.architecture or "—", str(m.variants), str(m.versions), m.created_at[:19])
+    console.print(table)
+
+
+@app.command()
+@handle_errors
+def variants(model: str, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
+    """List the variants of MODEL and their versions."""
+    from pipeline.render import console, print_json
+    from registry import open_registry
+
+    rows = open_registry(settings(registry).registry).list_variants(model)
+    if as_json:
+        print_json([v.model_dump() for v in rows])
+        return
+    from rich.table import Table
+
+    table = Table("variant", "format", "versions", "latest", "reference", header_style="bold")
+    for v in rows:
+        table.add_row(v.name, v.format, ",".join(map(str, v.versions)), str(v.latest), f"{model}/{v.name}@{v.latest}")
+    console.print(table)
+
+
+@app.command()
+@handle_errors
+def show(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION]")], registry: RegistryOpt = None,
+         as_json: JsonOpt = False) -> None:
+    """Show one version: files, lineage and results."""
+    from pipeline.render import console, print_json
+    from registry import open_registry
+
+    view = open_registry(settings(registry).registry).get_version(ref)
+    if as_json:
+        print_json({**view.model_dump(mode="json"), "ref": view.ref})
+        return
+    console.print(f"[bold]{view.ref}[/]  {view.format}  state={view.state}  created {view.created_at[:19]}")
+    console.print(f"source: {view.source['identity']}")
+    for f in view.files:
+        console.print(f"  {f.name}  {f.size:,} B  sha256:{f.sha256}")
+    for r in view.results:
+        summary = {k: v for k, v in r.metrics.items() if k in ("ppl", "delta_ppl_pct", "kld_mean", "top1_agreement")}
+        console.print(f"  result {r.kind} on {r.engine} ({r.engine_version}): {r.status} {summary or ''}")
+    console.print_json(data=view.lineage)
+
+
+@app.command()
+@handle_errors
+def compare(model: str, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
+    """Results table of the latest version of every variant of MODEL."""
+    from pipeline.render import console, print_json, results_table
+    from pipeline.results import VariantOutcome, table_rows
+    from registry import open_registry
+
+    reg = open_registry(settings(registry).registry)
+    outcomes = []
+    for view in reg.latest_versions(model):
+        out = VariantOutcome(variant=view.variant, format=view.format, ref=view.ref, status=view.state,
+                             size=view.size, bpw=(view.lineage.get("info") or {}).get("bpw"))
+        for r in view.results:
+            if r.status != "ok":
+                out.eval_status, out.eval_error = r.status, r.error
+                continue
+            out.engine, out.engine_version, out.eval_status = r.engine, r.engine_version, "ok"
+            if r.kind == "quality":
+                out.quality = r.metrics
+            elif r.kind == "speed":
+                out.speed = r.metrics
+        outcomes.append(out)
+    rows = table_rows(outcomes)
+    if as_json:
+        print_json(rows)
+        return
+    console.print(results_table(model, rows))
+
+
+@app.command()
+@handle_errors
+def pull(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION]")],
+         dest: Annotated[Path, typer.Argument(help="Folder to copy the files into.")],
+         registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
+    """Copy a version's files out of the registry, verifying every sha256."""
+    from pipeline.render import console, print_json
+    from registry import open_registry
+
+    paths = open_registry(settings(registry).registry, create=False).pull(ref, dest)
+    if as_json:
+        print_json([str(p) for p in paths])
+    else:
+        for p in paths:
+            console.print(f"[green]✓[/] {p}")
+
+
+@app.command("demo-model")
+@handle_errors
+def demo_model(dest: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],
+               steps: Annotated[int | None, typer.Option(help="Training steps (default from the recipe).")] = None
+               ) -> None:
+    """Build the small demo Llama checkpoint (trained locally in about 2 minutes; cached)."""
+    import shutil
+
+    from pipeline.demo_model import DemoRecipe, cached_demo_model
+    from pipeline.errors import InvalidSpecError
+    from pipeline.render import console
+
+    if dest.exists() and any(dest.iterdir()):
+        raise InvalidSpecError(f"{dest} exists and is not empty", hint="choose a new folder")
+    recipe = DemoRecipe() if steps is None else DemoRecipe(steps=steps)
+    cached = cached_demo_model(settings().cache_dir, recipe, progress=_train_progress())
+    shutil.copytree(cached, dest, dirs_exist_ok=True)
+    size = sum(p.stat().st_size for p in dest.iterdir() if p.is_file())
+    console.print(f"[green]✓[/] demo checkpoint in {dest} ({size / 1e6:.1f} MB, cached at {cached})")
+
+
+def _train_progress() -> Callable[[int, int, float], None]:
+    from pipeline.render import err_console
+
+    def report(step: int, total: int, loss: float) -> None:
+        if step == 1 or step % 20 == 0 or step == total:
+            err_console.print(f"  training step {step}/{total}  loss {loss:.3f}")
+
+    return report
+
+
+@app.command()
+@handle_errors
+def demo(registry: RegistryOpt = None, gguf: Annotated[str, typer.Option(help="GGUF types to build.")]
+         = "Q8_0,Q6_K,Q4_K_M,Q3_K_M,Q2_K", threads: Annotated[int | None, typer.Option()] = None,
+         as_json: JsonOpt = False) -> None:
+    """Build (or reuse) the demo checkpoint and run the main flow on it."""
+    from pipeline.demo_model import cached_demo_model
+    from pipeline.plan import Plan, SourceInput, variants_from_flags
+
+    cfg = settings(registry, threads=threads)
+    path = cached_demo_model(cfg.cache_dir, progress=_train_progress())
+    plan = Plan(source=SourceInput(source=str(path)), model_name="demo", variants=variants_from_flags(gguf=gguf))
+    run_plan(plan, cfg, as_json)
+
+
+def main() -> None:
+    try:
+        app()
+    except SystemExit as exc:
+        # click reports usage errors with exit code 2 already; keep it.
+        sys.exit(exc.code)
+
+
+if __name__ == "__main__":
+    main()
+
+__all__ = ["EXIT_USAGE", "app", "main"]

@@ -1,0 +1,178 @@
+"""The one error hierarchy of Quantyard.
+
+Every error subclasses :class:`QuantyardError` *and* the matching builtin, so
+callers that only know builtins (``except FileNotFoundError``) still work.
+Each carries a stable ``code`` (for JSON output and the web API) and an
+``exit_code`` the CLI returns. Messages say what was expected, what was found
+and what to do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+EXIT_ENGINE = 3
+EXIT_INTERNAL = 4
+
+
+class QuantyardError(Exception):
+    """Base of all Quantyard errors."""
+
+    code: str = "quantyard_error"
+    exit_code: int = EXIT_USAGE
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}\n  → {hint}")
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"error": self.code, "type": type(self).__name__, "message": self.message, "hint": self.hint}
+
+
+# --- input: sources and checkpoints -------------------------------------------------------------
+
+
+class SourceNotFoundError(QuantyardError, FileNotFoundError):
+    code = "source_not_found"
+
+
+class InvalidCheckpointError(QuantyardError, ValueError):
+    """The source exists but is not a loadable Hugging Face causal-LM checkpoint."""
+
+    code = "invalid_checkpoint"
+
+
+class UnsupportedArchitectureError(QuantyardError, ValueError):
+    code = "unsupported_architecture"
+
+    def __init__(self, message: str, *, supported: list[str], hint: str | None = None) -> None:
+        self.supported = supported
+        super().__init__(message, hint=hint)
+
+
+class TokenizerUnsupportedError(QuantyardError, ValueError):
+    """The checkpoint's tokenizer cannot be represented by the target format."""
+
+    code = "tokenizer_unsupported"
+
+
+class TokenizerMismatchError(QuantyardError, ValueError):
+    code = "tokenizer_mismatch"
+
+    def __init__(self, message: str, *, position: int, expected: list[int], found: list[int],
+                 hint: str | None = None) -> None:
+        self.position = position
+        self.expected = expected
+        self.found = found
+        super().__init__(message, hint=hint)
+
+
+class UnsafeSourceError(QuantyardError, PermissionError):
+    """Pickle weights, remote code, or paths escaping the source, refused by default."""
+
+    code = "unsafe_source"
+
+
+class UnknownQuantTypeError(QuantyardError, ValueError):
+    code = "unknown_quant_type"
+
+    def __init__(self, message: str, *, known: list[str], hint: str | None = None) -> None:
+        self.known = known
+        super().__init__(message, hint=hint)
+
+
+class InvalidSpecError(QuantyardError, ValueError):
+    code = "invalid_spec"
+
+
+class UnknownFormatError(QuantyardError, KeyError):
+    code = "unknown_format"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return Exception.__str__(self)
+
+
+# --- registry ------------------------------------------------------------------------------------
+
+
+class RegistryError(QuantyardError, RuntimeError):
+    code = "registry_error"
+
+
+class RegistryPathError(RegistryError, NotADirectoryError):
+    code = "registry_path"
+
+
+class NotFoundError(RegistryError, LookupError):
+    code = "not_found"
+
+
+class IllegalTransitionError(RegistryError, ValueError):
+    code = "illegal_transition"
+
+
+class IntegrityError(RegistryError, ValueError):
+    """Bytes on disk do not match the digest the registry recorded."""
+
+    code = "integrity_error"
+    exit_code = EXIT_CHECK_FAILED
+
+
+class InvalidReferenceError(QuantyardError, ValueError):
+    code = "invalid_reference"
+
+
+# --- running tools -------------------------------------------------------------------------------
+
+
+class ToolchainMissingError(QuantyardError, FileNotFoundError):
+    """A tool Quantyard drives (llama.cpp converter, a managed env) is not installed."""
+
+    code = "toolchain_missing"
+
+
+class ConversionError(QuantyardError, RuntimeError):
+    code = "conversion_failed"
+    exit_code = EXIT_ENGINE
+
+    def __init__(self, message: str, *, stderr_tail: str = "", hint: str | None = None) -> None:
+        self.stderr_tail = stderr_tail
+        super().__init__(message, hint=hint)
+
+
+class EngineError(QuantyardError, RuntimeError):
+    """An inference engine runner crashed, ran out of memory, timed out or answered garbage."""
+
+    code = "engine_error"
+    exit_code = EXIT_ENGINE
+
+    def __init__(self, message: str, *, engine: str, returncode: int | None = None,
+                 stderr_tail: str = "", hint: str | None = None) -> None:
+        self.engine = engine
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+        super().__init__(message, hint=hint)
+
+
+class DiskFullError(QuantyardError, OSError):
+    code = "disk_full"
+
+    def __init__(self, path: Path | str, *, needed: int | None = None, free: int | None = None) -> None:
+        self.path = str(path)
+        self.needed = needed
+        self.free = free
+        need = f"{needed / 1e6:.1f} MB" if needed is not None else "more space"
+        have = f"; {free / 1e6:.1f} MB free" if free is not None else ""
+        super().__init__(
+            f"disk full while writing {self.path}: needed {need}{have}",
+            hint="free space on that filesystem or point QUANTYARD_WORK_DIR / --registry elsewhere, "
+                 "then re-run: finished steps are reused",
+        )
+
+
+class ConfigError(QuantyardError, ValueError):
+    code = "config_error"

@@ -1,0 +1,49 @@
+"""In-process progress events: stages announce what they start and finish; the CLI renders them
+with Rich. Listeners are process-local, so flows and tasks stay free of UI code."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Event:
+    stage: str  # e.g. "convert_base", "quantize", "evaluate"
+    detail: str
+    phase: str  # "start" | "done" | "failed"
+
+
+_listeners: list[Callable[[Event], None]] = []
+_lock = threading.Lock()
+
+
+def emit(stage: str, detail: str = "", phase: str = "start") -> None:
+    with _lock:
+        listeners = list(_listeners)
+    for fn in listeners:
+        fn(Event(stage, detail, phase))
+
+
+@contextmanager
+def listening(fn: Callable[[Event], None]) -> Iterator[None]:
+    with _lock:
+        _listeners.append(fn)
+    try:
+        yield
+    finally:
+        with _lock:
+            _listeners.remove(fn)
+
+
+@contextmanager
+def stage(name: str, detail: str = "") -> Iterator[None]:
+    emit(name, detail, "start")
+    try:
+        yield
+    except BaseException:
+        emit(name, detail, "failed")
+        raise
+    emit(name, detail, "done")

@@ -1,0 +1,73 @@
+"""Result types that cross layer boundaries: what a run did, per variant, for the CLI, the flow
+artifact and ``--json`` output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class VariantOutcome(BaseModel):
+    variant: str
+    format: str
+    ref: str | None = None  # MODEL/VARIANT@N once registered
+    created: bool = False  # a new version was registered in this run
+    status: str = "pending"  # registered | reused | failed
+    error: str | None = None
+    error_type: str | None = None
+    events: list[str] = Field(default_factory=list)
+    size: int | None = None
+    bpw: float | None = None
+    quality: dict[str, Any] | None = None
+    speed: dict[str, Any] | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    eval_status: str | None = None  # ok | failed | skipped | reused
+    eval_error: str | None = None
+
+
+class ConvertReport(BaseModel):
+    model: str
+    source: dict[str, Any]
+    window_set: dict[str, Any] | None = None
+    reference: dict[str, Any] | None = None
+    variants: list[VariantOutcome] = Field(default_factory=list)
+    events: list[str] = Field(default_factory=list)
+    wall_s: float = 0.0
+    stage_s: dict[str, float] = Field(default_factory=dict)
+
+    def count(self, event: str) -> int:
+        return sum(1 for e in self.events if e == event or e.startswith(event + ":"))
+
+    @property
+    def ok(self) -> bool:
+        return all(v.status != "failed" for v in self.variants)
+
+
+def table_rows(variants: list[VariantOutcome]) -> list[dict[str, Any]]:
+    """The results table (CLI, Prefect artifact, compare): one row per variant."""
+    rows = []
+    for v in variants:
+        q, s = v.quality or {}, v.speed or {}
+        rows.append({
+            "variant": v.variant, "ref": v.ref or "", "size_mb": _r(v.size / 1e6 if v.size else None, 2),
+            "bpw": _r(v.bpw, 3), "ppl": _r(q.get("ppl"), 4), "delta_ppl_pct": _r(q.get("delta_ppl_pct"), 3),
+            "kld": _r(q.get("kld_mean"), 6), "top1_pct": _r(100 * q["top1_agreement"], 2)
+            if "top1_agreement" in q else None,
+            "pp_tok_s": _r(_median(s.get("prompt_tok_per_s")), 1),
+            "tg_tok_s": _r(_median(s.get("decode_tok_per_s")), 1),
+            "engine": v.engine or "", "status": v.status if v.eval_status in (None, "ok", "reused")
+            else f"{v.status}, eval {v.eval_status}",
+        })
+    return rows
+
+
+def _median(x: Any) -> float | None:
+    if isinstance(x, dict):
+        return x.get("median")
+    return x if isinstance(x, int | float) else None
+
+
+def _r(x: float | None, nd: int) -> float | None:
+    return None if x is None else round(float(x), nd)

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Install llama-cpp-python (with the llama.cpp tools) into a venv, from a cached wheel.
+
+PyPI has no prebuilt llama-cpp-python wheel and a source build takes ~10 minutes
+on 2 cores, so the wheel is built once from the pinned sdist and cached outside
+the repository, keyed by version and by the CPU it was compiled for (the build
+uses -march=native, so a wheel only suits the same CPU kind).
+
+The same sdist also provides llama.cpp's own HF->GGUF converter
+(`convert_hf_to_gguf.py`, `conversion/`, and the matching `gguf-py/`). They are
+extracted into the cache, never into the repository.
+
+Usage: bootstrap_llama_cpp.py VENV_PYTHON
+
+Only the standard library is used: this runs before the venv is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+VERSION = "0.3.36"
+CMAKE_ARGS = "-DLLAMA_BUILD_TOOLS=ON -DLLAMA_TOOLS_INSTALL=ON -DLLAVA_BUILD=OFF"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def log(msg: str) -> None:
+    print(f"[bootstrap-llama-cpp] {msg}", flush=True)
+
+
+def cache_root() -> Path:
+    env = os.environ.get("QUANTYARD_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "quantyard"
+
+
+def locked_sdist_sha() -> str:
+    lock = (REPO / "requirements" / "llama-cpp.lock").read_text()
+    match = re.search(r"sha256=([0-9a-f]{64})", lock)
+    if not match:
+        raise SystemExit("requirements/llama-cpp.lock has no sha256= line")
+    return match.group(1)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cpu_key() -> str:
+    """A short key for 'wheels built here run here': arch, CPU model, ISA flags, compiler, Python."""
+    parts = [platform.machine(), sys.version_info[:2].__repr__()]
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        for field in ("model name", "flags", "Features"):
+            m = re.search(rf"^{field}\s*:\s*(.*)$", info, re.M)
+            if m:
+                parts.append(" ".join(sorted(m.group(1).split())))
+    except OSError:
+        parts.append(platform.processor())
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc:
+        parts.append(subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0])
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def ensure_sdist(cache: Path) -> Path:
+    want = locked_sdist_sha()
+    sdist = cache / "sdist" / f"llama_cpp_python-{VERSION}.tar.gz"
+    if sdist.exists() and sha256_file(sdist) == want:
+        return sdist
+    sdist.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=sdist.parent) as tmp:
+        log(f"downloading llama-cpp-python=={VERSION} sdist")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+             f"llama-cpp-python=={VERSION}", "-d", tmp],
+            check=True,
+        )
+        got = Path(tmp) / sdist.name
+        digest = sha256_file(got)
+        if digest != want:
+            raise SystemExit(f"sdist sha256 mismatch: expected {want}, got {digest}; refusing to build it")
+        os.replace(got, sdist)
+    return sdist
+
+
+def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
+    wheel_dir = cache / "wheels" / f"llama-cpp-python-{VERSION}-{cpu_key()}"
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    if wheels:
+        log(f"reusing cached wheel {wheels[0]}")
+        return wheels[0]
+    log("building llama-cpp-python from source with the llama.cpp tools (about 10 minutes on 2 cores)")
+    wheel_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=wheel_dir.parent) as tmp:
+        env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS,
+                   CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+        subprocess.run(
+            [venv_python, "-m", "pip", "wheel", "--no-deps", str(sdist), "-w", tmp],
+            check=True, env=env,
+        )
+        built = sorted(Path(tmp).glob("*.whl"))
+        if len(built) != 1:
+            raise SystemExit(f"expected one wheel from the build, found {built}")
+        staged = Path(tmp) / "staged"
+        staged.mkdir()
+        shutil.move(str(built[0]), staged / built[0].name)
+        os.replace(staged, wheel_dir)
+    return next(wheel_dir.glob("*.whl"))
+
+
+def install_wheel(venv_python: str, wheel: Path) -> None:
+    marker = Path(venv_python).resolve().parent.parent / ".quantyard-llama-cpp-wheel"
+    if marker.exists() and marker.read_text() == str(wheel):
+        probe = subprocess.run([venv_python, "-c", "import llama_cpp"], capture_output=True)
+        if probe.returncode == 0:
+            log("llama-cpp-python already installed from this wheel")
+            return
+    subprocess.run(
+        [venv_python, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)], check=True
+    )
+    # its runtime deps (numpy, jinja2, diskcache, typing-extensions)
+    subprocess.run([venv_python, "-m", "pip", "install", "numpy", "jinja2", "diskcache",
+                    "typing-extensions"], check=True)
+    marker.write_text(str(wheel))
+
+
+def ensure_converter(cache: Path, sdist: Path, venv_python: str) -> Path:
+    """Extract llama.cpp's converter + gguf-py from the sdist into the cache."""
+    dest = cache / "llama.cpp" / VERSION
+    if (dest / "toolchain.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+    wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        stage = Path(tmp) / "stage"
+        changelog = ""
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                if member.name == f"llama_cpp_python-{VERSION}/CHANGELOG.md":
+                    changelog = tar.extractfile(member).read().decode()  # type: ignore[union-attr]
+                if not member.name.startswith(prefix):
+                    continue
+                rel = member.name[len(prefix):]
+                if not rel.startswith(wanted) or not (member.isfile() or member.isdir()):
+                    continue
+                member.name = rel
+                tar.extract(member, stage, filter="data")
+        section = changelog.split(f"## [{VERSION}]", 1)[-1].split("## [", 1)[0]
+        commit = re.search(r"ggml-org/llama\.cpp@([0-9a-f]{7,40})", section)
+        archs = subprocess.run(
+            [venv_python, "-c",
+             "import json,sys; sys.path[:0]=[sys.argv[1], sys.argv[1]+'/gguf-py'];"
+             "from conversion import TEXT_MODEL_MAP; print(json.dumps(sorted(TEXT_MODEL_MAP)))",
+             str(stage)],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        gguf_py_version = re.search(r'^version\s*=\s*"([^"]+)"',
+                                    (stage / "gguf-py" / "pyproject.toml").read_text(), re.M)
+        meta = {
+            "llama_cpp_python": VERSION,
+            "llama_cpp_commit": commit.group(1) if commit else "unknown",
+            "gguf_py": gguf_py_version.group(1) if gguf_py_version else "unknown",
+            "sdist_sha256": sha256_file(sdist),
+            "supported_architectures": json.loads(archs),
+        }
+        (stage / "toolchain.json").write_text(json.dumps(meta, indent=2))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(stage, dest)
+    log(f"llama.cpp converter extracted to {dest}")
+    return dest
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit(__doc__)
+    venv_python = sys.argv[1]
+    cache = cache_root()
+    sdist = ensure_sdist(cache)
+    wheel = ensure_wheel(cache, sdist, venv_python)
+    install_wheel(venv_python, wheel)
+    ensure_converter(cache, sdist, venv_python)
+
+
+if __name__ == "__main__":
+    main()
