@@ -233,15 +233,17 @@ class Ref(Frozen):
     def parse(cls, text: str) -> Ref:
         from pipeline.errors import InvalidReferenceError
 
-        body, _, selector = text.partition("@")
+        body, at, selector = text.partition("@")
         model, sep, variant = body.rpartition("/")
         if not sep or not model or not _VARIANT_RE.match(variant) or not _NAME_RE.match(model):
             raise InvalidReferenceError(
                 f"invalid reference {text!r}: expected MODEL/VARIANT[@VERSION|@ALIAS], e.g. demo/Q4_K_M@1",
                 hint="list references with `quantyard variants MODEL`",
             )
-        if not selector:
+        if not at:
             return cls(model=model, variant=variant)
+        if not selector:
+            raise InvalidReferenceError(f"invalid reference {text!r}: empty version after '@'")
         if selector.isdigit():
             return cls(model=model, variant=variant, version=int(selector))
         if not _VARIANT_RE.match(selector):

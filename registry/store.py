@@ -358,6 +358,15 @@ class Registry:
                     raise
         raise AssertionError("unreachable")
 
+    def list_source_artifacts(self, source_identity: str, kind: str | None = None) -> list[ArtifactView]:
+        """Every artifact of a source (window sets, references, imatrix files...), oldest first."""
+        with self._read() as session:
+            query = (select(sql.SourceArtifact).join(sql.Source).where(sql.Source.identity == source_identity)
+                     .order_by(sql.SourceArtifact.id))
+            if kind is not None:
+                query = query.where(sql.SourceArtifact.kind == kind)
+            return [_artifact_view(r) for r in session.scalars(query).all()]
+
     def artifact_path(self, artifact: ArtifactView) -> Path:
         """Local path of an artifact's blob (read-only)."""
         path = self.blobs.path_of(artifact.sha256)

@@ -55,7 +55,8 @@ def load_ref_ids(path: str | None) -> np.ndarray | None:
 def _logsumexp(x: np.ndarray, axis: int = -1) -> np.ndarray:
     m = np.max(x, axis=axis, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
-    out = np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True)) + m
+    with np.errstate(divide="ignore"):  # an empty mass is log(0) = -inf, by design
+        out = np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True)) + m
     return np.squeeze(out, axis=axis)
 
 

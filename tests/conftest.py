@@ -1,0 +1,133 @@
+"""Shared fixtures.
+
+* The demo checkpoint is built once per machine (content-hash cached under the Quantyard cache,
+  shared with ``make demo``) and reused by every test.
+* An empty, migrated registry is created once per session and copied into each test's tmp dir.
+* ``demo_registry`` runs the real flow once per session (F16, Q8_0, Q4_K_M, Q2_K on the demo
+  checkpoint, evaluated on llama.cpp) into a template registry; tests get a private copy.
+* Prefect runs against a session-scoped ``prefect_test_harness`` (a real temporary server).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Before anything imports prefect.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pipeline.config import Settings
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+DEMO_GGUF_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q2_K")
+
+
+def shared_cache() -> Path:
+    """The real Quantyard cache (toolchain, demo checkpoint): shared with `make demo`, never deleted."""
+    return Settings().cache_dir
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    return shared_cache()
+
+
+@pytest.fixture(scope="session")
+def demo_model(cache_dir: Path) -> Path:
+    from pipeline.demo_model import cached_demo_model
+
+    return cached_demo_model(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def artifacts_dir() -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120), temporary_settings(
+            {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
+
+
+@pytest.fixture(scope="session")
+def registry_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty registry migrated to head, created once."""
+    from registry import open_registry
+
+    root = tmp_path_factory.mktemp("template") / "registry"
+    open_registry(str(root))
+    return root
+
+
+@pytest.fixture
+def registry_path(tmp_path: Path, registry_template: Path) -> Path:
+    dest = tmp_path / "registry"
+    shutil.copytree(registry_template, dest)
+    return dest
+
+
+def make_settings(registry: Path, work: Path, cache: Path, **kw: object) -> Settings:
+    return Settings(registry=str(registry), cache_dir=cache, work_dir=work, threads=2, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def settings(tmp_path: Path, registry_path: Path, cache_dir: Path) -> Settings:
+    """Settings with a private registry and a private work dir (so nothing is cached between tests)."""
+    return make_settings(registry_path, tmp_path / "work", cache_dir)
+
+
+@pytest.fixture(scope="session")
+def demo_registry_template(tmp_path_factory: pytest.TempPathFactory, demo_model: Path, cache_dir: Path,
+                           prefect_harness: None) -> dict[str, object]:
+    """Run the real flow once on the demo checkpoint; return the registry path and the report."""
+    from flows.quantize import convert_flow
+    from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+
+    base = tmp_path_factory.mktemp("demo-registry")
+    cfg = make_settings(base / "registry", base / "work", cache_dir)
+    plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
+                variants=variants_from_flags(gguf=",".join(DEMO_GGUF_TYPES)),
+                eval=EvalSpec(speed=SpeedSpec(repeats=1, gen_tokens=32, parallel=(1, 4), parallel_prompt_tokens=32,
+                                              parallel_gen_tokens=16)))
+    report = convert_flow(plan, cfg)
+    return {"registry": base / "registry", "work": base / "work", "report": report}
+
+
+@pytest.fixture
+def demo_registry(tmp_path: Path, demo_registry_template: dict[str, object]) -> Path:
+    """A private copy of the evaluated demo registry."""
+    dest = tmp_path / "demo-registry"
+    shutil.copytree(demo_registry_template["registry"], dest, symlinks=True)  # type: ignore[arg-type]
+    return dest
+
+
+def registry_snapshot(root: Path) -> tuple[str, list[tuple[str, int]]]:
+    """A dump of the registry DB plus the blob listing, to assert 'unchanged'."""
+    import sqlite3
+
+    db = root / "registry.db"
+    dump = ""
+    if db.exists():
+        conn = sqlite3.connect(db)
+        try:
+            dump = "\n".join(conn.iterdump())
+        finally:
+            conn.close()
+    blobs = sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*")
+                   if p.is_file() and "blobs" in p.parts and p.parent.name != "tmp")
+    return dump, blobs

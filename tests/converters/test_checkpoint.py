@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from converters.checkpoint import content_hash, load_checkpoint, read_safetensors_header
+from pipeline.errors import (
+    InvalidCheckpointError,
+    SourceNotFoundError,
+    UnsafeSourceError,
+    UnsupportedArchitectureError,
+)
+from tests.factories import copy_checkpoint, edit_config, truncate
+
+
+def test_demo_checkpoint_is_valid(demo_model: Path) -> None:
+    ckpt = load_checkpoint(demo_model)
+    assert ckpt.architecture == "LlamaForCausalLM"
+    assert ckpt.config["hidden_size"] % 256 == 0 and ckpt.config["intermediate_size"] % 256 == 0
+    assert (demo_model / "tokenizer.model").is_file()
+    assert ckpt.n_params > 1_000_000
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(SourceNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope")
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(InvalidCheckpointError, match=r"no config\.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_truncated_safetensors(tmp_path: Path, demo_model: Path) -> None:
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    weights = ckpt / "model.safetensors"
+    truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(InvalidCheckpointError, match="truncated"):
+        load_checkpoint(ckpt)
+
+
+def test_unknown_model_type(tmp_path: Path, demo_model: Path) -> None:
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    edit_config(ckpt, model_type="llamazilla")
+    with pytest.raises(UnsupportedArchitectureError, match="llamazilla"):
+        load_checkpoint(ckpt)
+
+
+def test_shapes_must_match_config(tmp_path: Path, demo_model: Path) -> None:
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    edit_config(ckpt, hidden_size=512)
+    with pytest.raises(InvalidCheckpointError, match=r"config\.json implies"):
+        load_checkpoint(ckpt)
+
+
+def test_remote_code_refused(tmp_path: Path, demo_model: Path) -> None:
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    edit_config(ckpt, auto_map={"AutoModelForCausalLM": "modeling_x.X"})
+    with pytest.raises(UnsafeSourceError, match="remote code"):
+        load_checkpoint(ckpt)
+
+
+def test_pickle_weights_refused_unless_allowed(tmp_path: Path, demo_model: Path) -> None:
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    (ckpt / "model.safetensors").rename(ckpt / "pytorch_model.bin")
+    with pytest.raises(UnsafeSourceError, match="--allow-pickle"):
+        load_checkpoint(ckpt)
+    assert load_checkpoint(ckpt, allow_pickle=True, check_shapes=False).weight_files[0].name == "pytorch_model.bin"
+
+
+def test_symlink_outside_refused(tmp_path: Path, demo_model: Path) -> None:
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    os.symlink(outside, ckpt / "generation_config.json.link")
+    with pytest.raises(UnsafeSourceError, match="outside the checkpoint"):
+        load_checkpoint(ckpt)
+
+
+def test_missing_tokenizer(tmp_path: Path, demo_model: Path) -> None:
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    for name in ("tokenizer.model", "tokenizer.json"):
+        (ckpt / name).unlink()
+    with pytest.raises(InvalidCheckpointError, match="no tokenizer"):
+        load_checkpoint(ckpt)
+
+
+def test_content_hash_changes_with_content(tmp_path: Path, demo_model: Path) -> None:
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    before = content_hash(ckpt)
+    assert before == content_hash(demo_model)
+    (ckpt / "extra.txt").write_text("x")
+    assert content_hash(ckpt) != before
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(st.lists(st.integers(0, 7), min_size=0, max_size=3), min_size=1, max_size=5),
+       dtype=st.sampled_from(["float32", "float16", "int8", "int64"]))
+def test_header_parser_agrees_with_safetensors(tmp_path_factory: pytest.TempPathFactory, shapes: list[list[int]],
+                                               dtype: str) -> None:
+    """Our header check accepts exactly what the safetensors library writes, with the same shapes."""
+    path = tmp_path_factory.mktemp("st") / "t.safetensors"
+    tensors = {f"t{i}": np.zeros(s, dtype=dtype) for i, s in enumerate(shapes)}
+    safetensors.numpy.save_file(tensors, str(path))
+    ours = read_safetensors_header(path)
+    with safetensors.safe_open(str(path), "np") as f:
+        theirs = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    assert {k: v.shape for k, v in ours.items()} == theirs
+
+
+def test_header_parser_rejects_what_safetensors_rejects(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    safetensors.numpy.save_file({"a": np.ones((4, 4), dtype="float32")}, str(path))
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["a"]["shape"] = [400000, 400000]  # a header claiming a huge shape
+    body = json.dumps(header).encode()
+    path.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + n:])
+    with pytest.raises(InvalidCheckpointError):
+        read_safetensors_header(path)
+    with pytest.raises(Exception):  # noqa: B017 - the library raises its own error type
+        safetensors.numpy.load_file(str(path))

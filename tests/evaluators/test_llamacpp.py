@@ -1,0 +1,120 @@
+"""The llama.cpp engine on the shared method (real llama-cpp-python, real transformers reference)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from evaluators.base import RunnerCommand, load_arrays, run_runner
+from evaluators.llamacpp import LlamaCppEvaluator
+from evaluators.metrics import compare
+from evaluators.windows import WindowSet
+from pipeline.config import Settings
+from pipeline.errors import EngineError
+from pipeline.plan import EvalSpec, SpeedSpec
+from pipeline.specs import Engine
+from registry import open_registry
+
+
+def _quality(registry: Path, variant: str) -> dict:
+    view = open_registry(str(registry)).get_version(f"demo/{variant}")
+    return next(r.metrics for r in view.results if r.kind == "quality" and r.status == "ok")
+
+
+def test_f16_matches_transformers_reference(demo_registry_template: dict) -> None:
+    q = _quality(demo_registry_template["registry"], "F16")
+    assert abs(q["ppl"] / q["ref_ppl"] - 1) < 0.001, q
+
+
+def test_kld_ordering_and_top1(demo_registry_template: dict) -> None:
+    reg = demo_registry_template["registry"]
+    kld = {t: _quality(reg, t)["kld_mean"] for t in ("Q8_0", "Q4_K_M", "Q2_K")}
+    assert kld["Q8_0"] < kld["Q4_K_M"] < kld["Q2_K"], kld
+    assert _quality(reg, "Q8_0")["top1_agreement"] >= 0.98
+
+
+def test_speed_is_recorded_with_hardware(demo_registry_template: dict) -> None:
+    view = open_registry(str(demo_registry_template["registry"])).get_version("demo/Q4_K_M")
+    speed = next(r for r in view.results if r.kind == "speed")
+    m = speed.metrics
+    for key in ("prompt_tok_per_s", "decode_tok_per_s", "ttft_ms"):
+        assert m[key]["median"] > 0 and m[key]["min"] <= m[key]["median"] <= m[key]["max"]
+    assert set(m["parallel"]["by_parallel"]) == {"1", "4"}
+    assert m["parallel"]["by_parallel"]["4"]["aggregate_tok_per_s"] > 0
+    assert speed.hardware["cores"] and speed.hardware["threads"] == 2 and speed.hardware["cpu"]
+    assert "llama-cpp-python 0.3.36" in speed.engine_version
+
+
+def _reference_and_windows(demo_registry_template: dict) -> tuple[Path, Path]:
+    report = demo_registry_template["report"]
+    reg = open_registry(str(demo_registry_template["registry"]))
+    ref = reg.list_source_artifacts(report.source["identity"], "reference")[0]
+    ws = reg.list_source_artifacts(report.source["identity"], "window_set")[0]
+    return reg.artifact_path(ref), reg.artifact_path(ws)
+
+
+def test_variant_against_itself_is_exactly_zero(tmp_path: Path, demo_registry_template: dict,
+                                                cache_dir: Path) -> None:
+    """Run the engine twice on one GGUF; use run 1 as the 'reference' of run 2: KLD is exactly 0."""
+    _, windows = _reference_and_windows(demo_registry_template)
+    reg = open_registry(str(demo_registry_template["registry"]))
+    files = reg.link_files("demo/Q4_K_M", tmp_path / "m")
+    gguf = files[0]
+    ws = WindowSet.load(windows)
+    small = tmp_path / "w.npz"
+    WindowSet(ids=ws.ids[:4], score_start=ws.score_start[:4], window=ws.window, stride=ws.stride,
+              add_bos=ws.add_bos, text_sha256=ws.text_sha256).save(small)
+    cfg = Settings(cache_dir=cache_dir, threads=2)
+    cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.runners.llamacpp")
+    base = {"model": str(gguf), "windows": str(small), "top_k": 32, "threads": 2}
+    first = run_runner(cmd, {**base, "ref_topk": None}, tmp_path / "a", 600)
+    second = run_runner(cmd, {**base, "ref_topk": str(first.arrays)}, tmp_path / "b", 600)
+    m = compare(load_arrays(first.arrays), load_arrays(second.arrays))
+    assert m["kld_mean"] == 0.0 and m["kld_max"] == 0.0 and m["top1_agreement"] == 1.0
+    assert np.array_equal(load_arrays(first.arrays)["target_logprob"], load_arrays(second.arrays)["target_logprob"])
+
+
+def _runner_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"evaluators.runners.llamacpp" in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_sigkill_of_runner_gives_engine_error(tmp_path: Path, demo_registry_template: dict,
+                                              cache_dir: Path) -> None:
+    reference, windows = _reference_and_windows(demo_registry_template)
+    files = open_registry(str(demo_registry_template["registry"])).link_files("demo/Q8_0", tmp_path / "m")
+    cfg = Settings(cache_dir=cache_dir, threads=2)
+    stop = threading.Event()
+
+    def killer() -> None:
+        while not stop.is_set():
+            for pid in _runner_pids():
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(EngineError) as info:
+            LlamaCppEvaluator().evaluate(files[0], windows=windows, window_set_id="x", reference=reference,
+                                         spec=EvalSpec(speed=SpeedSpec(enabled=False)), out_dir=tmp_path / "ev",
+                                         settings=cfg)
+    finally:
+        stop.set()
+        thread.join()
+    assert info.value.returncode == -signal.SIGKILL and "SIGKILL" in str(info.value)
