@@ -153,7 +153,10 @@ def _publish_artifact(report: ConvertReport) -> None:
 @flow(name="quantyard-convert", log_prints=True)
 def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
     """Convert one source into every variant of ``plan``, evaluate and register them."""
+    from registry import open_registry
+
     t0 = time.perf_counter()
+    open_registry(settings.registry)  # a bad registry location fails before any work is done
     with stage("resolve", plan.source.source):
         resolved = resolve_task(plan, settings)
     src = resolved.source

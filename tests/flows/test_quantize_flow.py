@@ -1,0 +1,114 @@
+"""End to end: the Prefect flow on the demo checkpoint, with a real registry and real engines."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from gguf import GGUFReader
+from typer.testing import CliRunner
+
+from flows.quantize import convert_flow
+from pipeline.cli import app
+from pipeline.config import Settings
+from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+from registry import open_registry
+
+FAST_EVAL = EvalSpec(max_windows=12, speed=SpeedSpec(enabled=False))
+
+
+def _plan(demo: Path, types: str, **kw: object) -> Plan:
+    return Plan(source=SourceInput(source=str(demo)), model_name="demo", variants=variants_from_flags(gguf=types),
+                eval=kw.pop("eval", FAST_EVAL), **kw)  # type: ignore[arg-type]
+
+
+def test_convert_twice_end_to_end(demo_model: Path, settings: Settings, prefect_harness: None) -> None:
+    report = convert_flow(_plan(demo_model, "Q8_0,Q4_K_M"), settings)
+    assert report.ok and report.count("convert_base") == 1 and report.count("quantize") == 2
+    reg = open_registry(settings.registry)
+    variants = reg.list_variants("demo")
+    assert sorted(v.name for v in variants) == ["Q4_K_M", "Q8_0"]
+    assert all(v.versions == [1] for v in variants)
+    for name, ftype in (("Q8_0", 7), ("Q4_K_M", 15)):
+        view = reg.get_version(f"demo/{name}")
+        (f,) = view.files
+        blob = reg.blobs.path_of(f.sha256)
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == f.sha256 and blob.stat().st_size == f.size
+        assert GGUFReader(str(blob)).get_field("general.file_type").contents() == ftype
+        assert any(r.kind == "quality" and r.metrics["ppl"] > 1 for r in view.results)
+
+    again = convert_flow(_plan(demo_model, "Q8_0,Q4_K_M"), settings)
+    assert again.count("convert_base") == 0 and again.count("quantize") == 0 and again.count("evaluate") == 0
+    assert again.count("reference") == 0 and again.count("window_set") == 0
+    assert [v.status for v in again.variants] == ["reused", "reused"]
+    assert all(v.versions == [1] for v in reg.list_variants("demo"))
+
+
+def test_show_json_has_perplexity_and_lineage(demo_registry: Path) -> None:
+    result = CliRunner().invoke(app, ["show", "demo/Q4_K_M", "--registry", str(demo_registry), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    quality = next(r for r in data["results"] if r["kind"] == "quality")
+    assert quality["metrics"]["ppl"] > 1 and quality["window_set_id"]
+    lineage = data["lineage"]
+    assert lineage["source"]["content_hash"] and lineage["source"]["identity"].startswith("local:sha256:")
+    assert lineage["tool"]["name"] == "llama.cpp" and lineage["tool"]["llama_cpp_python"] == "0.3.36"
+    assert lineage["tool"]["llama_cpp_commit"] not in ("", "unknown")
+    assert lineage["parameters"]["type"] == "Q4_K_M" and lineage["parameters"]["base_type"] == "F16"
+    assert data["ref"] == "demo/Q4_K_M@1"
+
+
+def test_reference_reused_by_new_variant_and_force_makes_new_version(demo_model: Path, settings: Settings,
+                                                                     prefect_harness: None) -> None:
+    first = convert_flow(_plan(demo_model, "Q8_0"), settings)
+    assert first.count("reference") == 1 and first.count("window_set") == 1
+    second = convert_flow(_plan(demo_model, "Q8_0,Q5_K_M"), settings)
+    assert second.count("reference") == 0 and second.count("window_set") == 0 and second.count("convert_base") == 0
+    assert second.count("quantize") == 1 and second.count("evaluate") == 1
+    forced = convert_flow(_plan(demo_model, "Q8_0", force=True), settings)
+    assert forced.variants[0].ref == "demo/Q8_0@2" and forced.count("quantize") == 1
+    assert forced.count("reference") == 0
+
+
+def _kill_runner_for(model_marker: str, stop: threading.Event) -> None:
+    while not stop.is_set():
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                args = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"evaluators.runners.llamacpp" not in args:
+                continue
+            request = json.loads(Path(args[-2].decode()).read_text())
+            if model_marker in request["model"]:
+                os.kill(int(entry.name), signal.SIGKILL)
+                return
+        time.sleep(0.02)
+
+
+def test_killed_runner_fails_only_its_variant(demo_model: Path, settings: Settings, prefect_harness: None) -> None:
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_runner_for, args=("-Q8_0.gguf", stop), daemon=True)
+    killer.start()
+    try:
+        report = convert_flow(_plan(demo_model, "Q8_0,Q4_K_M,Q2_K"), settings)
+    finally:
+        stop.set()
+        killer.join()
+    by = {v.variant: v for v in report.variants}
+    assert by["Q8_0"].eval_status == "failed" and "EngineError" in (by["Q8_0"].eval_error or "")
+    assert by["Q4_K_M"].eval_status == "ok" and by["Q2_K"].eval_status == "ok"
+    reg = open_registry(settings.registry)
+    assert {v.name for v in reg.list_variants("demo")} == {"Q8_0", "Q4_K_M", "Q2_K"}
+    failed = reg.get_version("demo/Q8_0").results
+    assert [r.status for r in failed] == ["failed"] and "SIGKILL" in (failed[0].error or "")
+    # a re-run evaluates only what is missing
+    rerun = convert_flow(_plan(demo_model, "Q8_0,Q4_K_M,Q2_K"), settings)
+    assert rerun.count("evaluate") == 1 and rerun.count("quantize") == 0

@@ -1,0 +1,117 @@
+"""CLI behaviour: bad input gives a typed error, exit code 2, a message saying what to do, and an
+unchanged registry. Plus docs-as-tests: every command is documented in the README."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from tests.conftest import registry_snapshot
+from tests.factories import bytelevel_bpe_checkpoint, copy_checkpoint, edit_config, truncate
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _missing(tmp: Path, demo: Path) -> Path:
+    return tmp / "does-not-exist"
+
+
+def _no_config(tmp: Path, demo: Path) -> Path:
+    ckpt = copy_checkpoint(demo, tmp / "m")
+    (ckpt / "config.json").unlink()
+    return ckpt
+
+
+def _truncated(tmp: Path, demo: Path) -> Path:
+    ckpt = copy_checkpoint(demo, tmp / "m")
+    truncate(ckpt / "model.safetensors", 5000)
+    return ckpt
+
+
+def _unknown_type(tmp: Path, demo: Path) -> Path:
+    ckpt = copy_checkpoint(demo, tmp / "m")
+    edit_config(ckpt, model_type="not-a-model")
+    return ckpt
+
+
+def _bpe(tmp: Path, demo: Path) -> Path:
+    return bytelevel_bpe_checkpoint(tmp / "bpe", demo)
+
+
+CASES: dict[str, tuple[Callable[[Path, Path], Path], str, str]] = {
+    "missing-path": (_missing, "SourceNotFoundError", "does not exist"),
+    "no-config": (_no_config, "InvalidCheckpointError", "config.json"),
+    "truncated-safetensors": (_truncated, "InvalidCheckpointError", "truncated"),
+    "unknown-model-type": (_unknown_type, "UnsupportedArchitectureError", "not-a-model"),
+    "bytelevel-bpe-tokenizer": (_bpe, "TokenizerUnsupportedError", "pre-tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_source_exit_2_registry_unchanged(case: str, tmp_path: Path, demo_model: Path, demo_registry: Path,
+                                              prefect_harness: None) -> None:
+    make, error_type, needle = CASES[case]
+    source = make(tmp_path, demo_model)
+    before = registry_snapshot(demo_registry)
+    result = CliRunner().invoke(app, ["convert", str(source), "--gguf", "Q8_0", "--name", "demo",
+                                      "--registry", str(demo_registry), "--no-speed"])
+    assert result.exit_code == 2, result.output
+    assert error_type in result.output and needle in result.output
+    assert "→" in result.output  # every message says what to do
+    assert registry_snapshot(demo_registry) == before
+
+
+def test_unknown_gguf_type(demo_model: Path, demo_registry: Path) -> None:
+    before = registry_snapshot(demo_registry)
+    result = CliRunner().invoke(app, ["convert", str(demo_model), "--gguf", "Q8_0,Q7_X",
+                                      "--registry", str(demo_registry)])
+    assert result.exit_code == 2 and "UnknownQuantTypeError" in result.output and "Q4_K_M" in result.output
+    assert registry_snapshot(demo_registry) == before
+
+
+def test_registry_path_is_a_file(tmp_path: Path, demo_model: Path, prefect_harness: None) -> None:
+    bogus = tmp_path / "registry"
+    bogus.write_text("not a folder")
+    result = CliRunner().invoke(app, ["convert", str(demo_model), "--gguf", "Q8_0", "--registry", str(bogus)])
+    assert result.exit_code == 2 and "RegistryPathError" in result.output and "is a file" in result.output
+    assert bogus.read_text() == "not a folder"
+
+
+def test_json_error_output(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["show", "demo/Q8_0", "--registry", str(tmp_path / "r"), "--json"])
+    assert result.exit_code == 2
+    assert '"error": "not_found"' in result.stdout
+
+
+def test_console_script_exit_codes(tmp_path: Path) -> None:
+    exe = Path(sys.executable).parent / "quantyard"
+    ok = subprocess.run([str(exe), "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "convert" in ok.stdout
+    bad = subprocess.run([str(exe), "pull", "demo/Q8_0", str(tmp_path / "out"), "--registry", str(tmp_path / "no")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "RegistryPathError" in bad.stderr
+
+
+def test_pull_verifies(tmp_path: Path, demo_registry: Path) -> None:
+    result = CliRunner().invoke(app, ["pull", "demo/Q8_0@1", str(tmp_path / "out"), "--registry", str(demo_registry)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "demo-Q8_0.gguf").is_file()
+
+
+def test_every_command_is_documented() -> None:
+    import typer.main
+
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    text = README.read_text()
+    missing = []
+    for name, cmd in commands.items():
+        names = [name] + ([f"{name} {sub}" for sub in cmd.commands] if hasattr(cmd, "commands") else [])
+        missing += [n for n in names if not re.search(rf"quantyard {re.escape(n)}\b", text)]
+    assert not missing, f"commands missing from README.md: {missing}"
