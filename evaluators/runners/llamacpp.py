@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,18 @@ def _quality(req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                 verbose=False)
     vocab = llm.n_vocab()
     col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")))
-    with Timer() as t:
+    # Score window k in a worker thread while llama.cpp decodes window k+1 (both release the GIL).
+    with Timer() as t, ThreadPoolExecutor(max_workers=1) as pool:
+        pending = None
         for k in range(ids.shape[0]):
             llm.reset()
             llm.eval(ids[k].tolist())
-            logits = np.asarray(llm.scores[:window], dtype=np.float32)
-            col.add_window(logits, ids[k], int(starts[k]))
+            logits = np.array(llm.scores[:window], dtype=np.float32)  # a copy: the next eval overwrites
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(col.add_window, logits, ids[k], int(starts[k]))
+        if pending is not None:
+            pending.result()
     n = col.save(out_dir)
     del llm
     return {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": vocab}
