@@ -161,16 +161,25 @@ def calibration_text(resolved: Resolved, path: str | None = None) -> tuple[str, 
     return corpus(DemoRecipe())["calib"], "builtin:python-stdlib-calibration"
 
 
-def _dataset_text(name: str) -> str:
+def parse_dataset_spec(spec: str) -> tuple[str, str | None, str, str]:
+    """``NAME:SPLIT``, ``NAME:CONFIG:SPLIT`` or ``NAME:CONFIG:SPLIT:COLUMN`` → (name, config, split, column)."""
+    parts = spec.split(":")
+    if len(parts) == 2:
+        return parts[0], None, parts[1], "text"
+    if len(parts) in (3, 4):
+        return parts[0], parts[1] or None, parts[2], parts[3] if len(parts) == 4 else "text"
+    raise ConfigError(f"invalid dataset spec {spec!r}: expected NAME:SPLIT or NAME:CONFIG:SPLIT[:COLUMN]",
+                      hint="e.g. wikitext:wikitext-2-raw-v1:test")
+
+
+def _dataset_text(spec: str) -> str:
     try:
         import datasets  # optional dependency
     except ImportError as exc:
         raise ConfigError("--eval-dataset needs the optional 'datasets' package",
-                          hint="pip install 'quantyard[datasets]', or pass --eval-text FILE") from exc
-    parts = name.split(":")
-    ds = datasets.load_dataset(parts[0], parts[1] if len(parts) > 2 and parts[1] else None,
-                               split=parts[-2] if len(parts) >= 3 else (parts[1] if len(parts) == 2 else "test"))
-    column = parts[3] if len(parts) >= 4 else "text"
+                          hint="pip install datasets (and be online), or pass --eval-text FILE") from exc
+    name, config, split, column = parse_dataset_spec(spec)
+    ds = datasets.load_dataset(name, config, split=split)
     return "\n\n".join(str(t) for t in ds[column])
 
 

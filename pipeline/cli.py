@@ -97,6 +97,9 @@ def convert(
     force: Annotated[bool, typer.Option(help="Build and register new versions even if identical ones exist.")]
     = False,
     eval_text: Annotated[Path | None, typer.Option(help="Evaluation text file (default: held-out text).")] = None,
+    eval_dataset: Annotated[str | None, typer.Option(help="HF dataset NAME[:CONFIG]:SPLIT[:COLUMN] as evaluation "
+                                                     "text (needs the optional 'datasets' package and network).")]
+    = None,
     window: Annotated[int, typer.Option(help="Evaluation window length in tokens.")] = 512,
     stride: Annotated[int, typer.Option(help="Evaluation window stride in tokens.")] = 512,
     max_windows: Annotated[int | None, typer.Option(help="Evaluate at most this many windows.")] = None,
@@ -115,7 +118,8 @@ def convert(
         source=SourceInput(source=source, revision=revision, allow_pickle=allow_pickle,
                            trust_remote_code=trust_remote_code),
         model_name=name, variants=variants_from_flags(gguf=gguf, awq=awq, awq_backend=awq_backend, exl2=exl2),
-        eval=EvalSpec(enabled=not no_eval, text_file=str(eval_text) if eval_text else None, window=window,
+        eval=EvalSpec(enabled=not no_eval, text_file=str(eval_text) if eval_text else None, dataset=eval_dataset,
+                      window=window,
                       stride=stride, max_windows=max_windows, top_k=top_k,
                       speed=SpeedSpec(enabled=not no_speed)),
         force=force)

@@ -112,3 +112,35 @@ def test_killed_runner_fails_only_its_variant(demo_model: Path, settings: Settin
     # a re-run evaluates only what is missing
     rerun = convert_flow(_plan(demo_model, "Q8_0,Q4_K_M,Q2_K"), settings)
     assert rerun.count("evaluate") == 1 and rerun.count("quantize") == 0
+
+
+def test_flow_publishes_results_table_artifact(demo_registry_template: dict) -> None:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read() -> list:
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["quantyard-results-demo"])))
+
+    artifacts = asyncio.run(read())
+    assert artifacts and artifacts[0].type == "table"
+    rows = json.loads(artifacts[0].data) if isinstance(artifacts[0].data, str) else artifacts[0].data
+    variants = {r["variant"] for r in rows}
+    assert {"F16", "Q8_0", "Q4_K_M", "Q2_K"} <= variants
+    assert all(r["ppl"] and r["kld"] is not None for r in rows)
+
+
+def test_dataset_spec_parsing() -> None:
+    import pytest
+
+    from flows.steps import parse_dataset_spec
+    from pipeline.errors import ConfigError
+
+    assert parse_dataset_spec("wikitext:wikitext-2-raw-v1:test") == ("wikitext", "wikitext-2-raw-v1", "test", "text")
+    assert parse_dataset_spec("c4:validation") == ("c4", None, "validation", "text")
+    assert parse_dataset_spec("x:cfg:train:content") == ("x", "cfg", "train", "content")
+    with pytest.raises(ConfigError):
+        parse_dataset_spec("justaname")
