@@ -19,6 +19,9 @@ DEFAULT_ENGINE: dict[str, str] = {
     "gguf": "llama.cpp",
 }
 
+#: A reference engine that stands in (and says so) when the default engine cannot run here.
+FALLBACK_ENGINE: dict[str, str] = {}
+
 
 def get_evaluator(engine: str) -> Any:
     """Instantiate the evaluator registered for ``engine``.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from evaluators.base import EvalOutcome, RunnerCommand, run_runner, score, speed_request
+from evaluators.windows import cut_windows
 from pipeline.config import Settings
 from pipeline.plan import EvalSpec
 from pipeline.proc import child_env, with_path_prefix
@@ -34,6 +35,30 @@ class LlamaCppEvaluator:
             return "llama-cpp-python is not installed (run `make setup`)"
         return None
 
+    def _command(self, settings: Settings) -> RunnerCommand:
+        env = with_path_prefix(child_env(), "LD_LIBRARY_PATH", _bin_dir().parent / "lib")
+        return RunnerCommand(engine=self.engine, python=settings.core_python, module=RUNNER,
+                             env={"LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]})
+
+    def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
+        """Load the model and run one short window (loadability); returns engine version and timing."""
+        windows = out_dir.parent / "probe-windows.npz"
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        cut_windows(list(range(3, 67)), window=32, stride=32, bos_id=None).save(windows)
+        out = run_runner(self._command(settings), {"model": str(model), "windows": str(windows), "ref_topk": None,
+                                                   "top_k": 4, "threads": settings.threads}, out_dir, 600)
+        return {"engine": self.engine.value, "engine_version": out.result["engine_version"],
+                "load_and_eval_s": round(out.wall_s, 2)}
+
+    def measure_speed(self, model: Path, *, spec: EvalSpec, out_dir: Path,
+                      settings: Settings) -> tuple[dict[str, Any], dict[str, Any], str]:
+        """Speed only (no quality pass): returns (speed metrics, hardware, engine version)."""
+        speed = speed_request(spec) or {}
+        speed["bin_dir"] = str(_bin_dir())
+        out = run_runner(self._command(settings), {"model": str(model), "windows": None, "threads": settings.threads,
+                                                   "speed": speed}, out_dir, settings.engine_timeout_s)
+        return out.result["speed"], out.result["hardware"], out.result["engine_version"]
+
     def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
                  out_dir: Path, settings: Settings) -> EvalOutcome:
         """Score a GGUF file (the first part, for split GGUFs) on the window set, then time it."""
@@ -45,9 +70,7 @@ class LlamaCppEvaluator:
         meta = settings.llama_cpp_tools_dir / "toolchain.json"
         if meta.is_file():
             commit = json.loads(meta.read_text()).get("llama_cpp_commit")
-        env = with_path_prefix(child_env(), "LD_LIBRARY_PATH", bin_dir.parent / "lib")
-        cmd = RunnerCommand(engine=self.engine, python=settings.core_python, module=RUNNER,
-                            env={"LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]})
+        cmd = self._command(settings)
         request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
                    "threads": settings.threads, "speed": speed, "llama_cpp_commit": commit}
         out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)

@@ -312,7 +312,13 @@ def main() -> None:
         sys.exit(exc.code)
 
 
-if __name__ == "__main__":
-    main()
-
 __all__ = ["EXIT_USAGE", "app", "main"]
+
+# Commands defined in their own modules attach themselves to `app` when imported (app exists by now).
+import pipeline.cli_validate  # noqa: E402, F401
+
+if __name__ == "__main__":
+    # Run as `python -m pipeline.cli`: use the importable module, whose app has every command attached.
+    import pipeline.cli as _cli
+
+    _cli.main()

@@ -71,6 +71,12 @@ class TokenizerMismatchError(QuantyardError, ValueError):
         super().__init__(message, hint=hint)
 
 
+class InvalidArtifactError(QuantyardError, ValueError):
+    """A quantized file or folder (GGUF, AWQ, EXL2) is malformed."""
+
+    code = "invalid_artifact"
+
+
 class UnsafeSourceError(QuantyardError, PermissionError):
     """Pickle weights, remote code, or paths escaping the source, refused by default."""
 

@@ -1,0 +1,94 @@
+"""Validation policy: quality thresholds per quant class, speed regression limits.
+
+The default KLD limits follow the bands llama.cpp's ``--kl-divergence`` tables show for Llama-class
+models (Q8 ≈ 0.002, Q6 ≈ 0.01, Q5 ≈ 0.02, Q4 ≈ 0.05, Q3 ≈ 0.15, Q2 ≈ 0.5 mean KLD). They are
+**defaults to tune** for your models and evaluation text: small models and code-heavy text shift
+them. ΔPPL and top-1 limits are looser companions derived the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+
+from pipeline.errors import ConfigError
+from pipeline.specs import Frozen
+
+
+class QualityLimits(Frozen):
+    max_kld: float | None = Field(default=None, ge=0)
+    max_delta_ppl_pct: float | None = None
+    min_top1: float | None = Field(default=None, ge=0, le=1)
+
+
+DEFAULT_CLASSES: dict[str, QualityLimits] = {
+    "F16": QualityLimits(max_kld=0.0005, max_delta_ppl_pct=0.2, min_top1=0.98),
+    "Q8": QualityLimits(max_kld=0.002, max_delta_ppl_pct=0.5, min_top1=0.95),
+    "Q6": QualityLimits(max_kld=0.01, max_delta_ppl_pct=1.0, min_top1=0.92),
+    "Q5": QualityLimits(max_kld=0.02, max_delta_ppl_pct=2.0, min_top1=0.90),
+    "Q4": QualityLimits(max_kld=0.05, max_delta_ppl_pct=5.0, min_top1=0.85),
+    "Q3": QualityLimits(max_kld=0.15, max_delta_ppl_pct=15.0, min_top1=0.78),
+    "Q2": QualityLimits(max_kld=0.5, max_delta_ppl_pct=50.0, min_top1=0.60),
+}
+
+
+class SpeedLimits(Frozen):
+    max_slowdown_pct: float = Field(default=10.0, ge=0)
+    metrics: tuple[str, ...] = ("prompt_tok_per_s", "decode_tok_per_s")
+
+
+class Policy(Frozen):
+    classes: dict[str, QualityLimits] = Field(default_factory=lambda: dict(DEFAULT_CLASSES))
+    overrides: dict[str, QualityLimits] = Field(default_factory=dict)  # by variant name, e.g. "Q4_K_M"
+    speed: SpeedLimits = SpeedLimits()
+
+    def limits_for(self, variant: str, quant_class: str) -> QualityLimits:
+        if variant in self.overrides:
+            return self.overrides[variant]
+        if quant_class not in self.classes:
+            raise ConfigError(f"policy has no limits for quant class {quant_class!r}",
+                              hint=f"add classes.{quant_class} to the policy file")
+        return self.classes[quant_class]
+
+
+def quant_class(fmt: str, spec: dict[str, Any]) -> str:
+    """Map a variant to its quality class: F16, Q8, Q6, Q5, Q4, Q3 or Q2 (by effective bits)."""
+    if fmt == "gguf":
+        t = str(spec["type"]).upper()
+        if t in ("F32", "F16", "BF16"):
+            return "F16"
+        m = re.match(r"^(?:I?Q|TQ|MXFP|NVFP)(\d)", t)
+        bits = int(m.group(1)) if m else 4
+        return {1: "Q2", 2: "Q2", 3: "Q3", 4: "Q4", 5: "Q5", 6: "Q6", 8: "Q8"}.get(bits, "Q4")
+    if fmt == "awq":
+        return f"Q{int(spec.get('bits', 4))}"
+    bpw = float(spec.get("bpw", 4.0))
+    for cls, floor in (("Q8", 7.5), ("Q6", 5.5), ("Q5", 4.5), ("Q4", 3.5), ("Q3", 2.5)):
+        if bpw >= floor:
+            return cls
+    return "Q2"
+
+
+def load_policy(path: Path | None) -> Policy:
+    """The default policy, or a YAML file (keys: classes, overrides, speed) merged over it."""
+    if path is None:
+        return Policy()
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read policy {path}: {exc}", hint="pass a readable YAML file") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"policy {path} must be a mapping")
+    classes = dict(DEFAULT_CLASSES)
+    for name, limits in (data.get("classes") or {}).items():
+        base = classes.get(name, QualityLimits()).model_dump()
+        classes[name] = QualityLimits(**{**base, **(limits or {})})
+    try:
+        overrides = {k: QualityLimits(**v) for k, v in (data.get("overrides") or {}).items()}
+        return Policy(classes=classes, overrides=overrides, speed=SpeedLimits(**(data.get("speed") or {})))
+    except (ValidationError, TypeError) as exc:
+        raise ConfigError(f"invalid policy {path}: {exc}") from exc

@@ -1,0 +1,129 @@
+"""`quantyard validate`: real checks on real quants of the demo checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+from junitparser import JUnitXml
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from registry import open_registry
+from registry.store import RegisterRequest
+
+
+def _validate(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["validate", *args])
+    return result.exit_code, result.output
+
+
+def test_demo_q8_and_q4_pass_default_policy(demo_registry: Path, tmp_path: Path) -> None:
+    for variant in ("Q8_0", "Q4_K_M"):
+        junit = tmp_path / f"{variant}.xml"
+        code, out = _validate(f"demo/{variant}", "--registry", str(demo_registry), "--junit", str(junit),
+                              "--promote")
+        assert code == 0, out
+        assert open_registry(str(demo_registry)).get_version(f"demo/{variant}").state == "validated"
+        suite = next(iter(JUnitXml.fromfile(str(junit))))
+        names = [case.name for case in suite]
+        assert names == ["integrity", "format", "loadability", "tokenizer_parity", "quality", "speed",
+                         "reproducibility"]
+        assert suite.failures == 0 and suite.tests == len(names)
+
+
+def damage_tensor_data(src: Path, dest: Path, fraction: float = 0.5, seed: int = 0) -> None:
+    """Flip the quantized int8 bytes (not the fp16 scales) inside every Q8_0 block of the big tensors."""
+    shutil.copyfile(src, dest)
+    reader = GGUFReader(str(src))
+    rng = np.random.default_rng(seed)
+    data = np.memmap(dest, dtype=np.uint8, mode="r+")
+    for t in reader.tensors:
+        if t.tensor_type.name != "Q8_0" or t.n_elements < 65536:
+            continue
+        blocks = int(t.n_bytes) // 34
+        chosen = rng.choice(blocks, size=int(blocks * fraction), replace=False)
+        for b in chosen:
+            start = int(t.data_offset) + 34 * int(b) + 2  # skip the block's fp16 scale
+            data[start:start + 32] ^= rng.integers(1, 256, 32, dtype=np.uint8)
+    data.flush()
+
+
+def test_damaged_quant_fails_only_quality(demo_registry: Path, tmp_path: Path) -> None:
+    reg = open_registry(str(demo_registry))
+    good = reg.get_version("demo/Q8_0")
+    damaged = tmp_path / "demo-Q8_0.gguf"
+    damage_tensor_data(reg.blobs.path_of(good.files[0].sha256), damaged)
+    # register the damaged bytes as a new version: the registry's sha256 is "fixed" to match them
+    src = good.source
+    from pipeline.specs import SourceKind, SourceRef
+
+    view = reg.register_version(RegisterRequest(
+        model="demo",
+        source=SourceRef(kind=SourceKind(src["kind"]), path=src["path"], content_hash=src["content_hash"]),
+        variant="Q8_0", format="gguf", spec=good.spec, build_key="damaged", lineage=good.lineage,
+        files={"demo-Q8_0.gguf": damaged}, force=True))
+    junit = tmp_path / "report.xml"
+    code, out = _validate(view.ref, "--registry", str(demo_registry), "--junit", str(junit), "--max-windows", "8")
+    assert code == 1, out
+    suite = next(iter(JUnitXml.fromfile(str(junit))))
+    results = {case.name: case.result for case in suite}
+    failed = [name for name, res in results.items() if res and res[0]._tag == "failure"]
+    assert failed == ["quality"], results
+    assert "fails the quality policy" in out
+    assert reg.get_version(view.ref).state == "candidate"
+
+
+def test_plain_gguf_file_against_declared_source(demo_registry: Path, demo_model: Path, tmp_path: Path) -> None:
+    reg = open_registry(str(demo_registry))
+    (path,) = reg.pull("demo/Q4_K_M", tmp_path / "pr")
+    code, out = _validate(str(path), "--source", str(demo_model), "--registry", str(demo_registry), "--json")
+    assert code == 0, out
+    data = json.loads(out[out.index("{"):])
+    quality = next(c for c in data["checks"] if c["name"] == "quality")
+    assert quality["status"] == "pass" and quality["details"]["class"] == "Q4"
+    code, out = _validate(str(path), "--registry", str(demo_registry))
+    assert code == 2 and "--source" in out
+
+
+@pytest.mark.parametrize(("target_speed", "hardware_change", "expected"), [
+    (95.0, {}, "pass"), (50.0, {}, "fail"), (50.0, {"cpu": "Some Other CPU"}, "skip")])
+def test_speed_gate(demo_registry: Path, target_speed: float, hardware_change: dict, expected: str) -> None:
+    from flows.validate import ValidateOptions, check_speed, resolve_target
+    from pipeline.checks import ValidationReport
+    from pipeline.config import Settings
+    from pipeline.policy import Policy
+
+    reg = open_registry(str(demo_registry))
+    hardware = {"cpu": "Test CPU", "cores": 2, "threads": 2, "gpu": None, "machine": "x86_64"}
+
+    def speed(v: float) -> dict:
+        return {"kind": "speed", "engine": "llama.cpp", "status": "ok", "hardware": hardware,
+                "metrics": {"prompt_tok_per_s": {"median": 1000.0}, "decode_tok_per_s": {"median": v}}}
+
+    reg.add_result("demo/Q8_0", speed(100.0))
+    reg.add_result("demo/Q4_K_M", {**speed(target_speed), "hardware": {**hardware, **hardware_change}})
+    cfg = Settings(registry=str(demo_registry), threads=2)
+    opts = ValidateOptions(policy=Policy(), baseline="demo/Q8_0")
+    target = resolve_target("demo/Q4_K_M", cfg, opts, demo_registry / "tmp-work")
+    report = ValidationReport(target="t")
+    assert report.run("speed", lambda: check_speed(target, cfg, opts, demo_registry)).status == expected
+
+
+def test_policy_file_overrides(tmp_path: Path) -> None:
+    from pipeline.policy import load_policy, quant_class
+
+    p = tmp_path / "policy.yaml"
+    p.write_text("classes:\n  Q4: {max_kld: 0.0001}\n"
+                 "overrides:\n  Q8_0: {max_kld: 0.5}\nspeed: {max_slowdown_pct: 3}\n")
+    pol = load_policy(p)
+    assert pol.limits_for("Q4_K_M", "Q4").max_kld == 0.0001 and pol.limits_for("Q4_K_M", "Q4").min_top1 == 0.85
+    assert pol.limits_for("Q8_0", "Q8").max_kld == 0.5 and pol.speed.max_slowdown_pct == 3
+    assert [quant_class("gguf", {"type": t}) for t in ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "Q3_K_L",
+                                                        "Q2_K", "IQ1_S", "F16")] == \
+        ["Q8", "Q6", "Q5", "Q4", "Q4", "Q3", "Q2", "Q2", "F16"]
+    assert quant_class("exl2", {"bpw": 6.0}) == "Q6" and quant_class("awq", {"bits": 4}) == "Q4"
