@@ -18,8 +18,8 @@ def request(tmp: Path, name: str = "Q8_0", key: str = "k1", data: bytes = b"gguf
     f = tmp / f"{model.replace('/', '_')}-{name}-{key}.bin"
     f.write_bytes(data)
     return RegisterRequest(model=model, architecture="LlamaForCausalLM", source=source, variant=name, format="gguf",
-                           spec={"type": name}, build_key=key, lineage={"tool": TOOL}, files={f"demo-{name}.gguf": f},
-                           **kw)
+                           spec={"type": name}, build_key=key, lineage={"tool": TOOL, "built_by": key.split("-")[0]},
+                           files={f"demo-{name}.gguf": f}, **kw)
 
 
 def flip_byte(path: Path, offset: int = 10) -> None:

@@ -103,7 +103,7 @@ class S3Server:
     @property
     def options(self) -> dict[str, Any]:
         return {"endpoint_url": self.endpoint, "key": "quantyard", "secret": "quantyard-secret",
-                "client_kwargs": {"region_name": "us-east-1"}, "use_listings_cache": False}
+                "client_kwargs": {"region_name": "eu-west-1"}, "use_listings_cache": False}
 
     def new_prefix(self) -> str:
         return f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}"
