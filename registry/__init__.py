@@ -162,6 +162,8 @@ def _record_setting(engine: Engine, key: str, value: str) -> None:
 
 
 def _choose_blobs(engine: Engine, root: Path | None, explicit: str | None, location: str) -> str:
+    if explicit is not None and "://" not in explicit:
+        explicit = str(Path(explicit).expanduser().resolve())  # record folders absolutely
     recorded = _read_setting(engine, BLOBS_URL_KEY)
     if explicit is not None and recorded is None:
         _record_setting(engine, BLOBS_URL_KEY, explicit)
