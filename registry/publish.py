@@ -151,7 +151,7 @@ def _stage_inputs(reg: Registry, views: list[VersionView], stage: Path) -> tuple
 
 
 def _card_files(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"variant": o["variant"], "format": o["kind"], "size": f"{o['size'] / 1e6:,.2f} MB",
+    return [{"variant": o["variant"], "kind": o["kind"], "size": f"{o['size'] / 1e6:,.2f} MB",
              "sha256": o["sha256"][:16] + "…",
              "path": (f"{o['revision']}:" if o["revision"] else "") + o["path_in_repo"]} for o in ops]
 

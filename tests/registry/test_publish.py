@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from gguf import GGUFReader
 from huggingface_hub import ModelCard
 from typer.testing import CliRunner
 
@@ -19,6 +20,10 @@ from registry import open_registry
 from registry.publish import PublishRequest, publish
 from registry.store import RegisterRequest
 from tests.registry.helpers import SRC, flip_byte, request
+
+
+def _tensors(reader: GGUFReader) -> dict[str, str]:
+    return {t.name: hashlib.sha256(t.data.tobytes()).hexdigest() for t in reader.tensors}
 
 
 def _fmt(x: float, nd: int) -> str:
@@ -40,24 +45,27 @@ def test_demo_dry_run_card_and_operations(tmp_path: Path, demo_registry: Path) -
         assert op["sha256"] == reg.get_version(f"demo/{variant}").files[0].sha256
         assert hashlib.sha256(Path(op["local_path"]).read_bytes()).hexdigest() == op["sha256"]
     parts = sorted(p for p in ops if p.startswith("F16/"))
-    assert len(parts) >= 2 and parts[0].endswith("-00001-of-%05d.gguf" % len(parts))
+    assert len(parts) >= 2 and parts[0].endswith(f"-00001-of-{len(parts):05d}.gguf")
     merged = tmp_path / "merged.gguf"
     subprocess.run([str(llama_cpp_bin_dir() / "llama-gguf-split"), "--merge", ops[parts[0]]["local_path"],
                     str(merged)], check=True, capture_output=True, env=tool_env())
     f16 = reg.get_version("demo/F16").files[0]
-    assert hashlib.sha256(merged.read_bytes()).hexdigest() == f16.sha256  # the split loses nothing
+    original, joined = GGUFReader(reg.blobs.local_path(f16.sha256)), GGUFReader(merged)
+    assert _tensors(joined) == _tensors(original)  # the split loses nothing: every tensor, byte for byte
+    assert set(joined.fields) - set(original.fields) == {"split.count", "split.no", "split.tensors.count"}
     assert "README.md" in ops and any("validated" in w for w in plan["warnings"])
 
     card = ModelCard.load(out / "README.md")
     assert card.data.base_model == "acme/demo" and card.data.base_model_relation == "quantized"
     assert card.data.library_name == "gguf" and "quantyard" in card.data.tags
     text = card.text
+    metrics = text.split("## Quality and speed")[1].split("## Lineage")[0]
     assert "| variant | bpw | PPL | ΔPPL % | KLD | top-1 % | pp tok/s | tg tok/s | engine |" in text
     for variant in ("Q4_K_M", "Q8_0", "F16"):
         view = reg.get_version(f"demo/{variant}")
         q = next(r for r in view.results if r.kind == "quality" and r.status == "ok")
         s = next(r for r in view.results if r.kind == "speed" and r.status == "ok")
-        row = next(line for line in text.splitlines() if line.startswith(f"| {variant} |"))
+        row = next(line for line in metrics.splitlines() if line.startswith(f"| {variant} |"))
         assert _fmt(q.metrics["ppl"], 4) in row and _fmt(q.metrics["kld_mean"], 6) in row
         assert _fmt(100 * q.metrics["top1_agreement"], 2) in row
         assert _fmt(s.metrics["decode_tok_per_s"]["median"], 1) in row
