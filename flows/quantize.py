@@ -114,7 +114,7 @@ def _evaluate_one(plan: Plan, settings: Settings, report: ConvertReport, out: Va
 
     assert out.ref is not None
     engine = DEFAULT_ENGINE[out.format]
-    version = open_registry(settings.registry).get_version(out.ref)
+    version = open_registry(settings).get_version(out.ref)
     out.engine = engine
     if steps.has_quality_result(version, engine, str(ws_meta["id"])):
         _fill_from_results(out, version, engine, str(ws_meta["id"]))
@@ -156,7 +156,7 @@ def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
     from registry import open_registry
 
     t0 = time.perf_counter()
-    open_registry(settings.registry)  # a bad registry location fails before any work is done
+    open_registry(settings)  # a bad registry location fails before any work is done
     with stage("resolve", plan.source.source):
         resolved = resolve_task(plan, settings)
     src = resolved.source

@@ -85,7 +85,7 @@ def build_key(source: SourceRef, spec: Any, tool: dict[str, Any]) -> str:
 
 
 def find_existing(settings: Settings, resolved: Resolved, spec: Any, key: str) -> VersionView | None:
-    reg = open_registry(settings.registry)
+    reg = open_registry(settings)
     return reg.find_build(resolved.model_name, spec.name, key)
 
 
@@ -123,7 +123,7 @@ def lineage(resolved: Resolved, spec: Any, built: BuiltVariant, key: str) -> dic
 
 def register(settings: Settings, resolved: Resolved, spec: Any, built: BuiltVariant, key: str,
              force: bool) -> VersionView:
-    reg = open_registry(settings.registry)
+    reg = open_registry(settings)
     return reg.register_version(RegisterRequest(
         model=resolved.model_name, architecture=resolved.architecture, source=resolved.source,
         variant=spec.name, format=spec.format.value, spec=spec.model_dump(mode="json"), build_key=key,
@@ -192,7 +192,7 @@ def ensure_window_set(settings: Settings, resolved: Resolved, spec: EvalSpec) ->
     key = hashlib.sha256(json.dumps({"text": hashlib.sha256(text.encode()).hexdigest(), "window": spec.window,
                                      "stride": spec.stride, "max_windows": spec.max_windows},
                                     sort_keys=True).encode()).hexdigest()
-    reg = open_registry(settings.registry)
+    reg = open_registry(settings)
     found = reg.find_source_artifact(resolved.source, "window_set", key)
     if found is not None:
         return reg.artifact_path(found), found.meta, False
@@ -212,7 +212,7 @@ def ensure_reference(settings: Settings, resolved: Resolved, windows: Path, ws_m
                      spec: EvalSpec) -> tuple[Path, dict[str, Any], bool]:
     """Reference log-probs for (source, window set), computed once and reused from the registry."""
     key = reference_key(str(ws_meta["id"]), spec)
-    reg = open_registry(settings.registry)
+    reg = open_registry(settings)
     found = reg.find_source_artifact(resolved.source, "reference", key)
     if found is not None:
         return reg.artifact_path(found), found.meta, False
@@ -243,7 +243,7 @@ def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_m
 
     Raises EngineError (after recording a failed result) when the engine fails.
     """
-    reg = open_registry(settings.registry)
+    reg = open_registry(settings)
     version = reg.get_version(ref)
     engine = DEFAULT_ENGINE[fmt]
     evaluator = get_evaluator(engine)

@@ -158,7 +158,7 @@ def models(registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
     from pipeline.render import console, print_json
     from registry import open_registry
 
-    rows = open_registry(settings(registry).registry).list_models()
+    rows = open_registry(settings(registry)).list_models()
     if as_json:
         print_json([m.model_dump() for m in rows])
         return
@@ -177,7 +177,7 @@ def variants(model: str, registry: RegistryOpt = None, as_json: JsonOpt = False)
     from pipeline.render import console, print_json
     from registry import open_registry
 
-    rows = open_registry(settings(registry).registry).list_variants(model)
+    rows = open_registry(settings(registry)).list_variants(model)
     if as_json:
         print_json([v.model_dump() for v in rows])
         return
@@ -197,7 +197,7 @@ def show(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION]")], re
     from pipeline.render import console, print_json
     from registry import open_registry
 
-    view = open_registry(settings(registry).registry).get_version(ref)
+    view = open_registry(settings(registry)).get_version(ref)
     if as_json:
         print_json({**view.model_dump(mode="json"), "ref": view.ref})
         return
@@ -219,7 +219,7 @@ def compare(model: str, registry: RegistryOpt = None, as_json: JsonOpt = False) 
     from pipeline.results import VariantOutcome, table_rows
     from registry import open_registry
 
-    reg = open_registry(settings(registry).registry)
+    reg = open_registry(settings(registry))
     outcomes = []
     for view in reg.latest_versions(model):
         out = VariantOutcome(variant=view.variant, format=view.format, ref=view.ref, status=view.state,
@@ -250,7 +250,7 @@ def pull(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION]")],
     from pipeline.render import console, print_json
     from registry import open_registry
 
-    paths = open_registry(settings(registry).registry, create=False).pull(ref, dest)
+    paths = open_registry(settings(registry), create=False).pull(ref, dest)
     if as_json:
         print_json([str(p) for p in paths])
     else:
@@ -302,6 +302,11 @@ def demo(registry: RegistryOpt = None, gguf: Annotated[str, typer.Option(help="G
     path = cached_demo_model(cfg.cache_dir, progress=_train_progress())
     plan = Plan(source=SourceInput(source=str(path)), model_name="demo", variants=variants_from_flags(gguf=gguf))
     run_plan(plan, cfg, as_json)
+
+
+from pipeline import cli_registry  # noqa: E402 - registry commands live in their own module
+
+cli_registry.register(app)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -35,6 +36,14 @@ class Settings(BaseSettings):
         default_factory=_default_registry,
         description="Registry location: a folder path, or a sqlite:///... / postgresql://... URI.",
     )
+    blobs: str | None = Field(
+        default=None,
+        description="Blob store URL: a folder, file:///..., or any fsspec URL such as s3://bucket/prefix. "
+                    "Default: the URL recorded in the registry database, else REGISTRY_FOLDER/blobs.")
+    blobs_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec storage options for the blob store, as JSON, e.g. "
+                    '{"endpoint_url": "http://127.0.0.1:9000"}. Credentials may come from the usual AWS variables.')
     cache_dir: Path = Field(default_factory=_default_cache,
                             description="Toolchains, the demo checkpoint and hash caches.")
     work_dir: Path | None = Field(default=None,

@@ -12,6 +12,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -101,6 +102,7 @@ class Version(Base):
     source: Mapped[Source] = relationship()
     files: Mapped[list[VersionFile]] = relationship(back_populates="version", order_by="VersionFile.name")
     results: Mapped[list[Result]] = relationship(back_populates="version", order_by="Result.id")
+    inputs: Mapped[list[VersionInput]] = relationship(back_populates="version", order_by="VersionInput.id")
 
 
 class Blob(Base):
@@ -138,3 +140,61 @@ class Result(Base):
     wall_s: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     version: Mapped[Version] = relationship(back_populates="results")
+
+
+class Alias(Base):
+    """A movable name on one version of a variant (``latest``, ``production``...)."""
+
+    __tablename__ = "aliases"
+    __table_args__ = (UniqueConstraint("variant_id", "name", name="uq_alias_name"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    variant_id: Mapped[int] = mapped_column(ForeignKey("variants.id"))
+    name: Mapped[str] = mapped_column(String(100))
+    version_id: Mapped[int] = mapped_column(ForeignKey("versions.id"))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_by: Mapped[str] = mapped_column(String(200))
+    version: Mapped[Version] = relationship()
+
+
+class AuditEvent(Base):
+    """Append-only log of every alias move and state change: who, when, what, from, to."""
+
+    __tablename__ = "audit_log"
+    __table_args__ = (Index("ix_audit_variant", "variant_id", "id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(40))
+    variant_id: Mapped[int] = mapped_column(ForeignKey("variants.id"))
+    version_id: Mapped[int | None] = mapped_column(ForeignKey("versions.id"))
+    name: Mapped[str | None] = mapped_column(String(100))
+    old: Mapped[str | None] = mapped_column(String(100))
+    new: Mapped[str | None] = mapped_column(String(100))
+    note: Mapped[str | None] = mapped_column(Text)
+    variant: Mapped[Variant] = relationship()
+
+
+class VersionInput(Base):
+    """One lineage edge: something a version was built from (its source, the tool, calibration data,
+    an imatrix, a base file). Indexed by (kind, ref) so the reverse question, "what was built from
+    this?", is one query."""
+
+    __tablename__ = "version_inputs"
+    __table_args__ = (UniqueConstraint("version_id", "kind", "ref", name="uq_version_input"),
+                      Index("ix_version_inputs_ref", "kind", "ref"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version_id: Mapped[int] = mapped_column(ForeignKey("versions.id"))
+    kind: Mapped[str] = mapped_column(String(40))
+    ref: Mapped[str] = mapped_column(String(400))
+    name: Mapped[str | None] = mapped_column(String(300))
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    meta: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    version: Mapped[Version] = relationship(back_populates="inputs")
+
+
+class RegistrySetting(Base):
+    """Registry-wide settings stored with the metadata, e.g. the blob store URL shared by every client."""
+
+    __tablename__ = "registry_settings"
+    key: Mapped[str] = mapped_column(String(100), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)

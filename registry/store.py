@@ -1,134 +1,103 @@
 """The registry: metadata in SQL (SQLite or PostgreSQL), files in a content-addressed blob store.
 
-Ordering rule for every write: blobs first (atomic, idempotent), metadata last,
-in one transaction. A crash in between leaves at worst an orphan blob that
-``gc`` removes; it never leaves a version pointing at a missing file.
+Semantics (what the API guarantees):
+
+* **Versions are immutable.** Nothing here changes a version's files, spec or lineage after it is
+  registered. Version numbers are assigned inside the registering transaction, under the variant's
+  row lock (PostgreSQL) or the database write lock (SQLite), so concurrent writers never collide.
+* **Files are addressed by sha256** and stored once, however many versions use them.
+* **Aliases** are movable names on a version; ``latest`` is maintained automatically. Every alias
+  move and every state change is appended to the audit log (who, when, from, to).
+* **States** follow :data:`pipeline.specs.VERSION_TRANSITIONS`; anything else raises.
+* **Lineage** is stored as edges (``version_inputs``) so it can be walked both ways.
+
+Ordering rule for every write: blobs first (atomic, idempotent), metadata last, in one transaction
+that re-checks the blobs under the lock that ``gc`` takes. A crash in between leaves at worst an
+orphan blob that ``gc`` removes; a version never points at a missing file.
 """
 
 from __future__ import annotations
 
 import getpass
+import random
+import re
 import socket
-from collections.abc import Iterator, Mapping
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import BaseModel
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, or_, select, text
 from sqlalchemy.exc import IntegrityError as SAIntegrityError
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from pipeline.errors import IllegalTransitionError, NotFoundError, RegistryError
-from pipeline.specs import VERSION_TRANSITIONS, Ref, SourceRef, VersionState, validate_model_name
+from pipeline.errors import IllegalTransitionError, InvalidReferenceError, NotFoundError, RegistryError
+from pipeline.specs import VERSION_TRANSITIONS, Ref, VersionState, validate_model_name
 from registry import sql
-from registry.blobs import LocalBlobStore
+from registry.blobs import BlobStore, StoredBlob
+from registry.rows import artifact_view, derive_inputs, safe_join, version_loads, version_view
+from registry.views import (
+    AUTOMATIC_ALIASES,
+    ArtifactView,
+    AuditView,
+    FileView,
+    InputView,
+    LineageView,
+    ModelView,
+    RegisterRequest,
+    ResultView,
+    VariantView,
+    VersionView,
+)
 
+__all__ = ["ArtifactView", "AuditView", "FileView", "InputView", "LineageView", "ModelView", "RegisterRequest",
+           "Registry", "ResultView", "VariantView", "VersionView", "actor"]
 
-class FileView(BaseModel):
-    name: str
-    sha256: str
-    size: int
-
-
-class ResultView(BaseModel):
-    id: int
-    kind: str
-    engine: str
-    engine_version: str | None
-    window_set_id: str | None
-    status: str
-    metrics: dict[str, Any]
-    hardware: dict[str, Any]
-    error: str | None
-    wall_s: float | None
-    created_at: str
-
-
-class VersionView(BaseModel):
-    model: str
-    variant: str
-    format: str
-    spec: dict[str, Any]
-    number: int
-    state: str
-    build_key: str
-    created_at: str
-    source: dict[str, Any]
-    lineage: dict[str, Any]
-    files: list[FileView]
-    results: list[ResultView]
-    created: bool = False  # set by register_version: False when an existing version was reused
-
-    @property
-    def ref(self) -> str:
-        return f"{self.model}/{self.variant}@{self.number}"
-
-    @property
-    def size(self) -> int:
-        return sum(f.size for f in self.files)
-
-
-class VariantView(BaseModel):
-    model: str
-    name: str
-    format: str
-    spec: dict[str, Any]
-    versions: list[int]
-    latest: int | None
-
-
-class ModelView(BaseModel):
-    name: str
-    architecture: str | None
-    variants: int
-    versions: int
-    created_at: str
-
-
-class ArtifactView(BaseModel):
-    source_identity: str
-    kind: str
-    key: str
-    name: str
-    sha256: str
-    size: int
-    meta: dict[str, Any]
-
-
-class RegisterRequest(BaseModel):
-    """Everything needed to register one immutable version of a variant."""
-
-    model: str
-    architecture: str | None = None
-    source: SourceRef
-    variant: str
-    format: str
-    spec: dict[str, Any]
-    build_key: str
-    lineage: dict[str, Any]
-    files: dict[str, Path]  # logical name -> path on disk
-    force: bool = False
+T = TypeVar("T")
+_VARIANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+GC_LOCK_KEY = 0x51A7_0001  # PostgreSQL advisory lock: writers share it, gc takes it exclusively
+RETRIES = 10
 
 
 def actor() -> str:
+    """Who is acting: ``user@host`` of this process."""
     try:
         return f"{getpass.getuser()}@{socket.gethostname()}"
     except Exception:  # getuser fails without a passwd entry in some containers
         return f"unknown@{socket.gethostname()}"
 
 
-class Registry:
-    """Versioned registry API. Obtain one with :func:`registry.open_registry`."""
+class _BlobVanished(Exception):
+    """A blob stored before the transaction is gone (gc ran in between): store it again and retry."""
 
-    def __init__(self, engine: Engine, blobs: LocalBlobStore, location: str) -> None:
+
+def _retryable(exc: Exception) -> bool:
+    if isinstance(exc, SAIntegrityError):
+        return True  # a concurrent writer inserted the same model/source/variant/blob first
+    code = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return isinstance(exc, OperationalError) and code in ("40001", "40P01")  # serialization, deadlock
+
+
+class Registry:
+    """Versioned registry API. Obtain one with :func:`registry.open_registry`.
+
+    Every method takes references as ``MODEL/VARIANT[@VERSION|@ALIAS]`` strings or :class:`Ref`.
+    Lookups of unknown names raise :class:`NotFoundError`; bad references :class:`InvalidReferenceError`.
+    """
+
+    def __init__(self, engine: Engine, blobs: BlobStore, location: str, *, cache_dir: Path | None = None) -> None:
         self.engine = engine
         self.blobs = blobs
         self.location = location
+        self.cache_dir = cache_dir or Path(tempfile.gettempdir()) / "quantyard-blob-cache"
         self._write_engine = engine.execution_options(quantyard_write=True)
+        self.is_postgres = engine.dialect.name == "postgresql"
 
     def __repr__(self) -> str:
-        return f"Registry({self.location!r})"
+        return f"Registry({self.location!r}, blobs={self.blobs.url!r})"
 
     # -- sessions --------------------------------------------------------------------------------
 
@@ -138,20 +107,64 @@ class Registry:
             yield session
 
     @contextmanager
-    def _write(self) -> Iterator[Session]:
-        """A write transaction; on SQLite it takes the write lock up front (BEGIN IMMEDIATE)."""
+    def _write(self, gc_lock: str = "shared") -> Iterator[Session]:
+        """A write transaction. SQLite: BEGIN IMMEDIATE takes the one write lock up front. PostgreSQL:
+        writers share an advisory lock that ``gc`` takes exclusively while it deletes blobs."""
         with Session(self._write_engine, expire_on_commit=False) as session, session.begin():
+            if self.is_postgres:
+                fn = "pg_advisory_xact_lock" if gc_lock == "exclusive" else "pg_advisory_xact_lock_shared"
+                session.execute(text(f"SELECT {fn}(:key)"), {"key": GC_LOCK_KEY})
             yield session
 
-    # -- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _retry(fn: Callable[[], T]) -> T:
+        for attempt in range(RETRIES):
+            try:
+                return fn()
+            except (SAIntegrityError, OperationalError) as exc:
+                if attempt == RETRIES - 1 or not _retryable(exc):
+                    raise
+                time.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    # -- lookups ---------------------------------------------------------------------------------
 
     @staticmethod
     def _model(session: Session, name: str) -> sql.Model:
         model = session.scalar(select(sql.Model).where(sql.Model.name == name))
         if model is None:
-            raise NotFoundError(f"model {name!r} is not in the registry",
-                                hint="list models with `quantyard models`")
+            raise NotFoundError(f"model {name!r} is not in the registry", hint="list models with `quantyard models`")
         return model
+
+    def _variant(self, session: Session, model: str, variant: str, *, lock: bool = False) -> sql.Variant:
+        m = self._model(session, model)
+        query = select(sql.Variant).where(sql.Variant.model_id == m.id, sql.Variant.name == variant)
+        row = session.scalar(query.with_for_update() if lock else query)
+        if row is None:
+            raise NotFoundError(f"variant {variant!r} of model {model!r} is not in the registry",
+                                hint=f"list variants with `quantyard variants {model}`")
+        return row
+
+    def _version(self, session: Session, ref: Ref, *, lock: bool = False) -> sql.Version:
+        variant = self._variant(session, ref.model, ref.variant, lock=lock)
+        if ref.version is None:
+            alias = session.scalar(select(sql.Alias).where(sql.Alias.variant_id == variant.id,
+                                                           sql.Alias.name == (ref.alias or "latest")))
+            if alias is None:
+                raise NotFoundError(f"alias {ref.alias or 'latest'!r} is not set on {ref.model}/{ref.variant}",
+                                    hint=f"list aliases with `quantyard alias list {ref.model}/{ref.variant}`")
+            return alias.version
+        version = session.scalar(select(sql.Version).where(sql.Version.variant_id == variant.id,
+                                                           sql.Version.number == ref.version))
+        if version is None:
+            raise NotFoundError(f"{ref} does not exist", hint=f"list versions with `quantyard variants {ref.model}`")
+        return version
+
+    @staticmethod
+    def _parse(ref: Ref | str) -> Ref:
+        return Ref.parse(ref) if isinstance(ref, str) else ref
+
+    # -- registering -----------------------------------------------------------------------------
 
     @staticmethod
     def _ensure_model(session: Session, name: str, architecture: str | None) -> sql.Model:
@@ -165,104 +178,62 @@ class Registry:
         return model
 
     @staticmethod
-    def _ensure_source(session: Session, model: sql.Model, ref: SourceRef) -> sql.Source:
+    def _ensure_source(session: Session, model: sql.Model, req_source: Any) -> sql.Source:
         src = session.scalar(select(sql.Source).where(sql.Source.model_id == model.id,
-                                                      sql.Source.identity == ref.identity))
+                                                      sql.Source.identity == req_source.identity))
         if src is None:
-            src = sql.Source(model_id=model.id, kind=ref.kind.value, identity=ref.identity,
-                             repo_id=ref.repo_id, revision=ref.revision, commit=ref.commit,
-                             path=ref.path, content_hash=ref.content_hash)
+            src = sql.Source(model_id=model.id, kind=req_source.kind.value, identity=req_source.identity,
+                             repo_id=req_source.repo_id, revision=req_source.revision, commit=req_source.commit,
+                             path=req_source.path, content_hash=req_source.content_hash)
             session.add(src)
             session.flush()
         return src
 
-    @staticmethod
-    def _ensure_blob(session: Session, sha256: str, size: int) -> None:
-        if session.get(sql.Blob, sha256) is None:
-            session.add(sql.Blob(sha256=sha256, size=size))
-            session.flush()
-
-    def _version(self, session: Session, ref: Ref) -> sql.Version:
-        model = self._model(session, ref.model)
-        variant = session.scalar(select(sql.Variant).where(sql.Variant.model_id == model.id,
-                                                           sql.Variant.name == ref.variant))
-        if variant is None:
-            raise NotFoundError(f"variant {ref.variant!r} of model {ref.model!r} is not in the registry",
-                                hint=f"list variants with `quantyard variants {ref.model}`")
-        query = select(sql.Version).where(sql.Version.variant_id == variant.id)
-        if ref.version is not None:
-            query = query.where(sql.Version.number == ref.version)
-        elif ref.alias not in (None, "latest"):
-            version = self._resolve_alias(session, variant, ref.alias or "")
-            if version is None:
-                raise NotFoundError(f"alias {ref.alias!r} is not set on {ref.model}/{ref.variant}")
-            return version
-        else:
-            query = query.order_by(sql.Version.number.desc()).limit(1)
-        version = session.scalar(query.options(selectinload(sql.Version.files),
-                                               selectinload(sql.Version.results)))
-        if version is None:
-            raise NotFoundError(f"{ref} does not exist",
-                                hint=f"list versions with `quantyard variants {ref.model}`")
-        return version
-
-    def _resolve_alias(self, session: Session, variant: sql.Variant, alias: str) -> sql.Version | None:
-        del session, variant, alias  # aliases beyond 'latest' arrive with the alias table
-        return None
-
-    @staticmethod
-    def _view(version: sql.Version, created: bool = False) -> VersionView:
-        variant = version.variant
-        src = version.source
-        return VersionView(
-            model=variant.model.name, variant=variant.name, format=variant.format, spec=variant.spec,
-            number=version.number, state=version.state, build_key=version.build_key,
-            created_at=version.created_at.isoformat(), lineage=version.lineage,
-            source={"identity": src.identity, "kind": src.kind, "repo_id": src.repo_id,
-                    "revision": src.revision, "commit": src.commit, "content_hash": src.content_hash,
-                    "path": src.path},
-            files=[FileView(name=f.name, sha256=f.sha256, size=f.size) for f in version.files],
-            results=[_result_view(r) for r in version.results],
-            created=created,
-        )
-
-    # -- writes ----------------------------------------------------------------------------------
+    def _ensure_blobs(self, session: Session, stored: Mapping[str, StoredBlob]) -> None:
+        """Record the blobs, after checking (under the gc lock) that they are still in the store."""
+        for blob in stored.values():
+            if not self.blobs.exists(blob.sha256):
+                raise _BlobVanished(blob.sha256)
+            if session.get(sql.Blob, blob.sha256) is None:
+                session.add(sql.Blob(sha256=blob.sha256, size=blob.size))
+                session.flush()
 
     def find_build(self, model: str, variant: str, build_key: str) -> VersionView | None:
         """The newest version of ``model/variant`` built with ``build_key``, if any."""
         with self._read() as session:
             version = session.scalar(
                 select(sql.Version).join(sql.Variant).join(sql.Model)
-                .where(sql.Model.name == model, sql.Variant.name == variant,
-                       sql.Version.build_key == build_key)
-                .order_by(sql.Version.number.desc()).limit(1)
-            )
-            return None if version is None else self._view(version)
+                .where(sql.Model.name == model, sql.Variant.name == variant, sql.Version.build_key == build_key)
+                .order_by(sql.Version.number.desc()).limit(1))
+            return None if version is None else version_view(session, version)
 
-    def register_version(self, req: RegisterRequest) -> VersionView:
-        """Store the files, then create the next version in one transaction.
+    def register_version(self, req: RegisterRequest, *, by: str | None = None) -> VersionView:
+        """Store the files, then create the next version (state ``candidate``) and move ``latest`` to it,
+        in one transaction.
 
-        Re-registering the same ``build_key`` returns the existing version (``created=False``)
-        unless ``force`` is set. Raises DiskFullError when the blob store is full (nothing is
-        registered then).
+        Re-registering the same ``build_key`` returns the existing version (``created=False``) unless
+        ``force`` is set. Raises DiskFullError when the blob store is full (nothing is registered then).
         """
         validate_model_name(req.model)
-        stored = {name: self.blobs.put_file(path) for name, path in sorted(req.files.items())}
-        for attempt in range(5):
+        if not _VARIANT_RE.match(req.variant):
+            raise InvalidReferenceError(f"invalid variant name {req.variant!r}: use letters, digits, '.', '_', '-'")
+        inputs = derive_inputs(req)
+        for _ in range(3):
+            stored = {name: self.blobs.put_file(path) for name, path in sorted(req.files.items())}
             try:
-                return self._insert_version(req, stored)
-            except SAIntegrityError:
-                # a concurrent writer created the same model/variant/number first: retry on fresh state
-                if attempt == 4:
-                    raise
-        raise AssertionError("unreachable")
+                return self._retry(lambda s=stored: self._insert_version(req, s, inputs, by or actor()))
+            except _BlobVanished:
+                continue
+        raise RegistryError("blobs kept disappearing while registering: is `quantyard registry gc` running with "
+                            "a zero grace period?", hint="re-run with gc stopped")
 
-    def _insert_version(self, req: RegisterRequest, stored: Mapping[str, Any]) -> VersionView:
+    def _insert_version(self, req: RegisterRequest, stored: Mapping[str, StoredBlob], inputs: list[InputView],
+                        who: str) -> VersionView:
         with self._write() as session:
             model = self._ensure_model(session, req.model, req.architecture)
             source = self._ensure_source(session, model, req.source)
             variant = session.scalar(select(sql.Variant).where(sql.Variant.model_id == model.id,
-                                                               sql.Variant.name == req.variant))
+                                                               sql.Variant.name == req.variant).with_for_update())
             if variant is None:
                 variant = sql.Variant(model_id=model.id, name=req.variant, format=req.format, spec=req.spec)
                 session.add(variant)
@@ -273,90 +244,203 @@ class Registry:
                                               sql.Version.build_key == req.build_key)
                     .order_by(sql.Version.number.desc()).limit(1))
                 if existing is not None:
-                    return self._view(existing, created=False)
+                    return version_view(session, existing, created=False)
+            self._ensure_blobs(session, stored)
             number = (session.scalar(select(func.max(sql.Version.number))
                                      .where(sql.Version.variant_id == variant.id)) or 0) + 1
-            lineage = dict(req.lineage, registered_by=actor())
+            lineage = dict(req.lineage, registered_by=who, inputs=[i.model_dump() for i in inputs
+                                                                   if i.kind not in ("source", "tool")])
             version = sql.Version(variant_id=variant.id, number=number, source_id=source.id,
-                                  build_key=req.build_key, state=VersionState.CANDIDATE.value,
-                                  lineage=lineage)
+                                  build_key=req.build_key, state=VersionState.CANDIDATE.value, lineage=lineage)
             session.add(version)
             session.flush()
             for name, blob in stored.items():
-                self._ensure_blob(session, blob.sha256, blob.size)
-                session.add(sql.VersionFile(version_id=version.id, name=name, sha256=blob.sha256,
-                                            size=blob.size))
+                session.add(sql.VersionFile(version_id=version.id, name=name, sha256=blob.sha256, size=blob.size))
+            for edge in inputs:
+                session.add(sql.VersionInput(version_id=version.id, **edge.model_dump()))
+            session.add(sql.AuditEvent(actor=who, action="register", variant_id=variant.id, version_id=version.id,
+                                       new=str(number), note=f"build {req.build_key[:16]}"))
+            self._move_alias(session, variant, "latest", version, who, note=None)
             session.flush()
             session.refresh(version)
-            return self._view(version, created=True)
+            return version_view(session, version, created=True)
 
     def add_result(self, ref: Ref | str, record: Mapping[str, Any]) -> int:
         """Attach an evaluation result to a version; returns its id.
 
-        ``record`` keys: kind, engine, engine_version, window_set_id, status, metrics, hardware,
-        error, wall_s.
+        ``record`` keys: kind, engine, engine_version, window_set_id, status, metrics, hardware, error, wall_s.
         """
-        ref = Ref.parse(ref) if isinstance(ref, str) else ref
+        ref = self._parse(ref)
         with self._write() as session:
             version = self._version(session, ref)
             row = sql.Result(version_id=version.id, kind=record["kind"], engine=record["engine"],
-                             engine_version=record.get("engine_version"),
-                             window_set_id=record.get("window_set_id"), status=record["status"],
-                             metrics=dict(record.get("metrics") or {}),
-                             hardware=dict(record.get("hardware") or {}),
-                             error=record.get("error"), wall_s=record.get("wall_s"))
+                             engine_version=record.get("engine_version"), window_set_id=record.get("window_set_id"),
+                             status=record["status"], metrics=dict(record.get("metrics") or {}),
+                             hardware=dict(record.get("hardware") or {}), error=record.get("error"),
+                             wall_s=record.get("wall_s"))
             session.add(row)
             session.flush()
             return row.id
 
-    def set_state(self, ref: Ref | str, state: VersionState) -> VersionView:
-        ref = Ref.parse(ref) if isinstance(ref, str) else ref
+    # -- states and aliases ----------------------------------------------------------------------
+
+    def set_state(self, ref: Ref | str, state: VersionState | str, *, by: str | None = None,
+                  note: str | None = None) -> VersionView:
+        """Move a version to ``state`` and log it.
+
+        Raises:
+            IllegalTransitionError: the move is not in :data:`VERSION_TRANSITIONS`.
+        """
+        ref, state = self._parse(ref), VersionState(state)
         with self._write() as session:
-            version = self._version(session, ref)
+            version = self._version(session, ref, lock=True)
             current = VersionState(version.state)
             if state not in VERSION_TRANSITIONS[current]:
-                allowed = ", ".join(sorted(s.value for s in VERSION_TRANSITIONS[current])) or "none"
+                allowed = ", ".join(sorted(s.value for s in VERSION_TRANSITIONS[current])) or "none (final state)"
                 raise IllegalTransitionError(
-                    f"{ref} cannot go from {current.value} to {state.value}; allowed from "
-                    f"{current.value}: {allowed}")
+                    f"{ref} cannot go from {current.value} to {state.value}; allowed from {current.value}: {allowed}")
             version.state = state.value
+            session.add(sql.AuditEvent(actor=by or actor(), action="state", variant_id=version.variant_id,
+                                       version_id=version.id, old=current.value, new=state.value, note=note))
             session.flush()
-            return self._view(version)
+            return version_view(session, version)
+
+    @staticmethod
+    def _move_alias(session: Session, variant: sql.Variant, name: str, version: sql.Version | None, who: str,
+                    note: str | None) -> int | None:
+        row = session.scalar(select(sql.Alias).where(sql.Alias.variant_id == variant.id, sql.Alias.name == name))
+        old = row.version.number if row is not None else None
+        if version is None:
+            if row is not None:
+                session.delete(row)
+        elif row is None:
+            session.add(sql.Alias(variant_id=variant.id, name=name, version_id=version.id, updated_by=who))
+        else:
+            row.version_id, row.updated_by, row.updated_at = version.id, who, sql.utcnow()
+        session.add(sql.AuditEvent(actor=who, action="alias.set" if version is not None else "alias.delete",
+                                   variant_id=variant.id, version_id=version.id if version is not None else None,
+                                   name=name, old=None if old is None else str(old),
+                                   new=None if version is None else str(version.number), note=note))
+        session.flush()
+        return old
+
+    @staticmethod
+    def _check_alias_name(name: str) -> None:
+        if name in AUTOMATIC_ALIASES:
+            raise IllegalTransitionError(f"alias {name!r} is maintained by the registry and cannot be moved by hand")
+        if name.isdigit() or not _VARIANT_RE.match(name):
+            raise InvalidReferenceError(f"invalid alias {name!r}: expected letters, digits, '.', '_', '-' "
+                                        "and not only digits (those are version numbers)")
+
+    def set_alias(self, ref: Ref | str, name: str, *, by: str | None = None, note: str | None = None) -> VersionView:
+        """Point alias ``name`` of the variant at the version ``ref`` names (creating or moving it) and log it."""
+        ref = self._parse(ref)
+        self._check_alias_name(name)
+
+        def run() -> VersionView:
+            with self._write() as session:
+                variant = self._variant(session, ref.model, ref.variant, lock=True)
+                version = self._version(session, ref)
+                self._move_alias(session, variant, name, version, by or actor(), note)
+                return version_view(session, version)
+
+        return self._retry(run)
+
+    def delete_alias(self, model: str, variant: str, name: str, *, by: str | None = None,
+                     note: str | None = None) -> None:
+        """Remove alias ``name`` from ``model/variant`` and log it. Raises NotFoundError when it is not set."""
+        self._check_alias_name(name)
+        with self._write() as session:
+            row = self._variant(session, model, variant, lock=True)
+            if self._move_alias(session, row, name, None, by or actor(), note) is None:
+                raise NotFoundError(f"alias {name!r} is not set on {model}/{variant}")
+
+    def aliases(self, model: str, variant: str) -> dict[str, int]:
+        """Aliases of ``model/variant``: name -> version number."""
+        with self._read() as session:
+            row = self._variant(session, model, variant)
+            return {a.name: a.version.number for a in session.scalars(
+                select(sql.Alias).where(sql.Alias.variant_id == row.id).order_by(sql.Alias.name))}
+
+    def audit_log(self, model: str | None = None, variant: str | None = None, *, limit: int = 200) -> list[AuditView]:
+        """The newest ``limit`` audit events (alias moves, state changes, registrations), newest first."""
+        with self._read() as session:
+            query = (select(sql.AuditEvent, sql.Variant.name, sql.Model.name, sql.Version.number)
+                     .join(sql.Variant, sql.AuditEvent.variant_id == sql.Variant.id).join(sql.Model)
+                     .outerjoin(sql.Version, sql.AuditEvent.version_id == sql.Version.id))
+            if model is not None:
+                query = query.where(sql.Model.name == model)
+            if variant is not None:
+                query = query.where(sql.Variant.name == variant)
+            rows = session.execute(query.order_by(sql.AuditEvent.id.desc()).limit(limit)).all()
+            return [AuditView(id=e.id, at=e.created_at.isoformat(), actor=e.actor, action=e.action, model=m,
+                              variant=v, version=n, name=e.name, old=e.old, new=e.new, note=e.note)
+                    for e, v, m, n in rows]
+
+    # -- lineage ---------------------------------------------------------------------------------
+
+    def lineage(self, ref: Ref | str) -> LineageView:
+        """Upstream lineage of a version: source (commit or content hash), tool, environment, inputs."""
+        view = self.get_version(ref)
+        lin = view.lineage
+        return LineageView(ref=view.ref, source={**view.source, **(lin.get("source") or {})}, inputs=view.inputs,
+                           tool=lin.get("tool") or {}, parameters=lin.get("parameters") or {},
+                           environment={**(lin.get("environment") or {}),
+                                        "quantyard_version": lin.get("quantyard_version"),
+                                        "registered_by": lin.get("registered_by"), "built_at": lin.get("built_at")},
+                           build_key=view.build_key)
+
+    def derived_from(self, ref: str, kind: str | None = None) -> list[VersionView]:
+        """Downstream lineage: every version with an input matching ``ref`` — a source identity
+        (``hub:owner/name@commit``, ``local:sha256:…``), a tool reference, or an input's sha256 —
+        exactly or by prefix (at least 8 characters). Oldest first."""
+        if len(ref) < 8:
+            raise InvalidReferenceError(f"lineage query {ref!r} is too short: give at least 8 characters")
+        pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        with self._read() as session:
+            query = select(sql.VersionInput.version_id).where(or_(
+                sql.VersionInput.ref.like(pattern, escape="\\"), sql.VersionInput.sha256.like(pattern, escape="\\")))
+            if kind is not None:
+                query = query.where(sql.VersionInput.kind == kind)
+            versions = session.scalars(select(sql.Version).where(sql.Version.id.in_(query.distinct()))
+                                       .order_by(sql.Version.id).options(*version_loads())).all()
+            return [version_view(session, v) for v in versions]
 
     # -- source artifacts ------------------------------------------------------------------------
 
-    def find_source_artifact(self, source: SourceRef, kind: str, key: str) -> ArtifactView | None:
+    def find_source_artifact(self, source: Any, kind: str, key: str) -> ArtifactView | None:
         with self._read() as session:
-            row = session.scalar(
-                select(sql.SourceArtifact).join(sql.Source)
-                .where(sql.Source.identity == source.identity, sql.SourceArtifact.kind == kind,
-                       sql.SourceArtifact.key == key).limit(1))
-            return None if row is None else _artifact_view(row)
+            row = session.scalar(select(sql.SourceArtifact).join(sql.Source)
+                                 .where(sql.Source.identity == source.identity, sql.SourceArtifact.kind == kind,
+                                        sql.SourceArtifact.key == key).limit(1))
+            return None if row is None else artifact_view(row)
 
-    def put_source_artifact(self, *, model: str, architecture: str | None, source: SourceRef, kind: str,
-                            key: str, name: str, path: Path, meta: dict[str, Any]) -> ArtifactView:
+    def put_source_artifact(self, *, model: str, architecture: str | None, source: Any, kind: str, key: str,
+                            name: str, path: Path, meta: dict[str, Any]) -> ArtifactView:
         """Register a file belonging to a source (idempotent on (source, kind, key))."""
-        blob = self.blobs.put_file(path)
-        for attempt in range(5):
+        def run(blob: StoredBlob) -> ArtifactView:
+            with self._write() as session:
+                m = self._ensure_model(session, model, architecture)
+                src = self._ensure_source(session, m, source)
+                row = session.scalar(select(sql.SourceArtifact).where(
+                    sql.SourceArtifact.source_id == src.id, sql.SourceArtifact.kind == kind,
+                    sql.SourceArtifact.key == key))
+                if row is None:
+                    self._ensure_blobs(session, {name: blob})
+                    row = sql.SourceArtifact(source_id=src.id, kind=kind, key=key, name=name, sha256=blob.sha256,
+                                             size=blob.size, meta=meta)
+                    session.add(row)
+                    session.flush()
+                session.refresh(row)
+                return artifact_view(row)
+
+        for _ in range(3):
+            blob = self.blobs.put_file(path)
             try:
-                with self._write() as session:
-                    m = self._ensure_model(session, model, architecture)
-                    src = self._ensure_source(session, m, source)
-                    row = session.scalar(select(sql.SourceArtifact).where(
-                        sql.SourceArtifact.source_id == src.id, sql.SourceArtifact.kind == kind,
-                        sql.SourceArtifact.key == key))
-                    if row is None:
-                        self._ensure_blob(session, blob.sha256, blob.size)
-                        row = sql.SourceArtifact(source_id=src.id, kind=kind, key=key, name=name,
-                                                 sha256=blob.sha256, size=blob.size, meta=meta)
-                        session.add(row)
-                        session.flush()
-                    session.refresh(row)
-                    return _artifact_view(row)
-            except SAIntegrityError:
-                if attempt == 4:
-                    raise
-        raise AssertionError("unreachable")
+                return self._retry(lambda b=blob: run(b))
+            except _BlobVanished:
+                continue
+        raise RegistryError("the artifact's blob kept disappearing while registering: is gc running?")
 
     def list_source_artifacts(self, source_identity: str, kind: str | None = None) -> list[ArtifactView]:
         """Every artifact of a source (window sets, references, imatrix files...), oldest first."""
@@ -365,66 +449,111 @@ class Registry:
                      .order_by(sql.SourceArtifact.id))
             if kind is not None:
                 query = query.where(sql.SourceArtifact.kind == kind)
-            return [_artifact_view(r) for r in session.scalars(query).all()]
+            return [artifact_view(r) for r in session.scalars(query).all()]
 
     def artifact_path(self, artifact: ArtifactView) -> Path:
-        """Local path of an artifact's blob (read-only)."""
-        path = self.blobs.path_of(artifact.sha256)
-        if not path.is_file():
-            raise NotFoundError(f"blob of {artifact.kind} {artifact.key} is missing ({artifact.sha256})",
-                                hint="run `quantyard registry verify`")
-        return path
+        """Local, read-only path of an artifact's bytes (downloaded and verified first for a remote store)."""
+        return self.local_blob(artifact.sha256, artifact.size)
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def list_models(self) -> list[ModelView]:
+    def list_models(self, *, architecture: str | None = None, format: str | None = None) -> list[ModelView]:
+        """Models, by name; optionally only those of one architecture, or with a variant of one format."""
         with self._read() as session:
-            rows = session.execute(
-                select(sql.Model,
-                       select(func.count(sql.Variant.id)).where(sql.Variant.model_id == sql.Model.id)
-                       .scalar_subquery(),
-                       select(func.count(sql.Version.id)).join(sql.Variant)
-                       .where(sql.Variant.model_id == sql.Model.id).scalar_subquery())
-                .order_by(sql.Model.name)).all()
-            return [ModelView(name=m.name, architecture=m.architecture, variants=nv, versions=nver,
-                              created_at=m.created_at.isoformat()) for m, nv, nver in rows]
+            query = select(sql.Model).options(selectinload(sql.Model.variants).selectinload(sql.Variant.versions))
+            if architecture is not None:
+                query = query.where(sql.Model.architecture == architecture)
+            if format is not None:
+                query = query.where(sql.Model.variants.any(sql.Variant.format == format))
+            return [ModelView(name=m.name, architecture=m.architecture, variants=len(m.variants),
+                              versions=sum(len(v.versions) for v in m.variants), created_at=m.created_at.isoformat(),
+                              formats=sorted({v.format for v in m.variants}))
+                    for m in session.scalars(query.order_by(sql.Model.name)).all()]
 
-    def list_variants(self, model: str) -> list[VariantView]:
+    def list_variants(self, model: str, *, format: str | None = None) -> list[VariantView]:
+        """Variants of ``model`` with their version numbers, latest version and its state, and aliases."""
         with self._read() as session:
             m = self._model(session, model)
-            variants = session.scalars(select(sql.Variant).where(sql.Variant.model_id == m.id)
-                                       .options(selectinload(sql.Variant.versions))
-                                       .order_by(sql.Variant.name)).all()
-            return [VariantView(model=model, name=v.name, format=v.format, spec=v.spec,
-                                versions=[x.number for x in v.versions],
-                                latest=max((x.number for x in v.versions), default=None))
-                    for v in variants]
+            query = (select(sql.Variant).where(sql.Variant.model_id == m.id)
+                     .options(selectinload(sql.Variant.versions)).order_by(sql.Variant.name))
+            if format is not None:
+                query = query.where(sql.Variant.format == format)
+            aliases: dict[int, dict[str, int]] = {}
+            for a, number in session.execute(select(sql.Alias, sql.Version.number).join(sql.Version)
+                                             .join(sql.Variant, sql.Alias.variant_id == sql.Variant.id)
+                                             .where(sql.Variant.model_id == m.id).order_by(sql.Alias.name)):
+                aliases.setdefault(a.variant_id, {})[a.name] = number
+            out = []
+            for v in session.scalars(query).all():
+                latest = max(v.versions, key=lambda x: x.number, default=None)
+                out.append(VariantView(model=model, name=v.name, format=v.format, spec=v.spec,
+                                       versions=[x.number for x in v.versions],
+                                       latest=latest.number if latest else None,
+                                       latest_state=latest.state if latest else None, aliases=aliases.get(v.id, {})))
+            return out
+
+    def list_versions(self, model: str, variant: str) -> list[VersionView]:
+        """Every version of ``model/variant``, oldest first, with files, results, aliases and lineage edges."""
+        with self._read() as session:
+            row = self._variant(session, model, variant)
+            versions = session.scalars(select(sql.Version).where(sql.Version.variant_id == row.id)
+                                       .options(*version_loads()).order_by(sql.Version.number)).all()
+            return [version_view(session, v) for v in versions]
 
     def get_version(self, ref: Ref | str) -> VersionView:
-        ref = Ref.parse(ref) if isinstance(ref, str) else ref
+        """One version; without ``@VERSION`` the ``latest`` alias, with ``@ALIAS`` that alias."""
+        ref = self._parse(ref)
         with self._read() as session:
-            return self._view(self._version(session, ref))
+            return version_view(session, self._version(session, ref))
 
     def latest_versions(self, model: str) -> list[VersionView]:
+        """The ``latest`` version of every variant of ``model``."""
         return [self.get_version(Ref(model=model, variant=v.name)) for v in self.list_variants(model)
                 if v.latest is not None]
 
-    def link_files(self, ref: Ref | str, dest: Path) -> list[Path]:
-        """Lay out a version's files under ``dest`` as read-only symlinks into the blob store.
+    # -- files -----------------------------------------------------------------------------------
 
-        Engines load from there without a copy. Integrity is checked by ``pull`` and ``verify``,
-        not here: this is for trusted, local consumers such as evaluators.
-        """
+    def local_blob(self, sha256: str, size: int) -> Path:
+        """A local path holding the blob: the store's own file, or a verified copy in the cache for a
+        remote store. Raises NotFoundError when the blob is missing, IntegrityError when it is corrupt."""
+        path = self.blobs.local_path(sha256)
+        if path is not None:
+            if not path.is_file():
+                raise NotFoundError(f"blob {sha256} is missing from {self.blobs.url}",
+                                    hint="run `quantyard registry verify`")
+            return path
+        cached = self.cache_dir / "sha256" / sha256[:2] / sha256
+        if not (cached.is_file() and cached.stat().st_size == size):
+            self.blobs.export(sha256, size, cached)
+        return cached
+
+    def open_file(self, ref: Ref | str, name: str, start: int | None = None,
+                  end: int | None = None) -> tuple[FileView, Iterator[bytes]]:
+        """Stream one file of a version. Without a range the bytes are verified against sha256 while
+        streaming (IntegrityError after the last chunk on a mismatch: abort the response). With a range
+        (``start``..``end`` inclusive, as in HTTP) only that part is read and its length checked."""
+        view = self.get_version(ref)
+        f = next((f for f in view.files if f.name == name), None)
+        if f is None:
+            raise NotFoundError(f"{view.ref} has no file {name!r}",
+                                hint="files: " + ", ".join(x.name for x in view.files))
+        if start is None and end is None:
+            return f, self.blobs.iter_verified(f.sha256, f.size)
+        first = start or 0
+        last = min(f.size - 1, end if end is not None else f.size - 1)
+        if first < 0 or first > last:
+            raise InvalidReferenceError(f"range {start}-{end} is outside {name} ({f.size} bytes)")
+        return f, self.blobs.iter_range(f.sha256, first, last - first + 1)
+
+    def link_files(self, ref: Ref | str, dest: Path) -> list[Path]:
+        """Lay out a version's files under ``dest`` as read-only symlinks to local blobs (a verified
+        cache copy for a remote store). For trusted local consumers such as evaluators."""
         view = self.get_version(ref)
         out = []
         for f in view.files:
-            target = _safe_join(dest, f.name)
+            target = safe_join(dest, f.name)
             target.parent.mkdir(parents=True, exist_ok=True)
-            blob = self.blobs.path_of(f.sha256)
-            if not blob.is_file():
-                raise NotFoundError(f"blob of {view.ref}:{f.name} is missing ({f.sha256})",
-                                    hint="run `quantyard registry verify`")
-            target.symlink_to(blob)
+            target.symlink_to(self.local_blob(f.sha256, f.size))
             out.append(target)
         return out
 
@@ -436,26 +565,23 @@ class Registry:
         view = self.get_version(ref)
         out = []
         for f in view.files:
-            target = _safe_join(dest, f.name)
+            target = safe_join(dest, f.name)
             self.blobs.export(f.sha256, f.size, target)
             out.append(target)
         return out
 
+    # -- integrity -------------------------------------------------------------------------------
 
-def _safe_join(dest: Path, name: str) -> Path:
-    target = (dest / name).resolve()
-    if not target.is_relative_to(dest.resolve()):
-        raise RegistryError(f"refusing to write {name!r} outside {dest}")
-    return target
+    def verify(self, *, deep: bool = False, grace_s: float = 3600.0) -> Any:
+        """Check every referenced blob (exists, size; with ``deep`` also sha256) and look for orphans.
+        Returns a :class:`registry.integrity.VerifyReport`."""
+        from registry.integrity import verify
 
+        return verify(self, deep=deep, grace_s=grace_s)
 
-def _result_view(r: sql.Result) -> ResultView:
-    return ResultView(id=r.id, kind=r.kind, engine=r.engine, engine_version=r.engine_version,
-                      window_set_id=r.window_set_id, status=r.status, metrics=r.metrics,
-                      hardware=r.hardware, error=r.error, wall_s=r.wall_s,
-                      created_at=r.created_at.isoformat())
+    def gc(self, *, dry_run: bool = False, grace_s: float = 3600.0) -> Any:
+        """Remove blobs no version or artifact references and stale temp files, both older than
+        ``grace_s``. Returns a :class:`registry.integrity.GcReport`."""
+        from registry.integrity import gc
 
-
-def _artifact_view(row: sql.SourceArtifact) -> ArtifactView:
-    return ArtifactView(source_identity=row.source.identity, kind=row.kind, key=row.key, name=row.name,
-                        sha256=row.sha256, size=row.size, meta=row.meta)
+        return gc(self, dry_run=dry_run, grace_s=grace_s)
