@@ -107,7 +107,7 @@ def resolve_target(text: str, settings: Settings, opts: ValidateOptions, work: P
         return Target(label=path.name, fmt=fmt, variant=variant, spec=spec, files=files, model_path=model,
                       source_text=source, source_revision=revision)
     ref = Ref.parse(text)
-    reg = open_registry(settings.registry, create=False)
+    reg = open_registry(settings, create=False)
     view = reg.get_version(ref)
     files = reg.link_files(view.ref, work / "files")
     src = view.source
@@ -129,7 +129,7 @@ def check_integrity(target: Target, settings: Settings) -> tuple[str, dict[str, 
         return f"{len(digests)} files hashed (no registry record to compare with)", {"sha256": digests}
     bad = []
     for f in target.version.files:
-        blob = open_registry(settings.registry).blobs.path_of(f.sha256)
+        blob = open_registry(settings).blobs.path_of(f.sha256)
         if not blob.is_file():
             bad.append(f"{f.name}: blob missing")
             continue
@@ -273,7 +273,7 @@ def _speed_of(target: Target, settings: Settings, opts: ValidateOptions, work: P
 def check_speed(target: Target, settings: Settings, opts: ValidateOptions, work: Path) -> tuple[str, dict[str, Any]]:
     if not opts.baseline:
         raise CheckSkipped("no --baseline given")
-    base = open_registry(settings.registry, create=False).get_version(opts.baseline)
+    base = open_registry(settings, create=False).get_version(opts.baseline)
     base_speed = next((r for r in reversed(base.results) if r.kind == "speed" and r.status == "ok"), None)
     if base_speed is None:
         raise CheckSkipped(f"baseline {base.ref} has no speed result")
@@ -373,7 +373,7 @@ def promote(report: ValidationReport, target_text: str, settings: Settings) -> s
     """Move a passing registry target from candidate to validated; returns the new state or None."""
     if not report.passed or Path(target_text).exists():
         return None
-    reg = open_registry(settings.registry, create=False)
+    reg = open_registry(settings, create=False)
     view = reg.get_version(target_text)
     if view.state != VersionState.CANDIDATE.value:
         return view.state
