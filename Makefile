@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.quantyard-setup
 PIP    := $(BIN)/python -m pip
 
-.PHONY: setup postgres demo test lint clean
+.PHONY: setup postgres browser demo test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,15 @@ $(STAMP): $(BIN)/python pyproject.toml requirements/core.lock requirements/llama
 	$(BIN)/python scripts/bootstrap_llama_cpp.py $(BIN)/python
 	touch $@
 
-setup: $(STAMP) postgres
+setup: $(STAMP) postgres browser
 
 # A real PostgreSQL (Debian's packages) for the registry tests; apt-get runs only when it is missing.
 postgres:
 	@bash scripts/install_postgres.sh
+
+# Debian's Chromium for the web test (Playwright drives it via executable_path); apt-get runs only when missing.
+browser:
+	@bash scripts/install_chromium.sh
 
 demo: setup
 	$(BIN)/quantyard demo

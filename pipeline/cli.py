@@ -320,7 +320,8 @@ def main() -> None:
 __all__ = ["EXIT_USAGE", "app", "main"]
 
 # Commands defined in their own modules attach themselves to `app` when imported (app exists by now).
-import pipeline.cli_validate  # noqa: E402, F401
+import pipeline.cli_validate  # noqa: E402
+import pipeline.cli_web  # noqa: E402, F401
 
 if __name__ == "__main__":
     # Run as `python -m pipeline.cli`: use the importable module, whose app has every command attached.

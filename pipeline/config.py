@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LLAMA_CPP_VERSION = "0.3.36"
@@ -56,6 +56,9 @@ class Settings(BaseSettings):
                              description="Interpreter that runs the converter and llama.cpp subprocesses.")
     engine_timeout_s: float = Field(default=6 * 3600, gt=0)
     convert_timeout_s: float = Field(default=24 * 3600, gt=0)
+    web_token: SecretStr | None = Field(
+        default=None, description="Bearer token for the web API's write endpoints (set an alias, change a state). "
+                                  "Unset: writes through the web API are disabled (403).")
 
     @property
     def work_root(self) -> Path:

@@ -49,12 +49,13 @@ from registry.views import (
     ModelView,
     RegisterRequest,
     ResultView,
+    VariantSummary,
     VariantView,
     VersionView,
 )
 
 __all__ = ["ArtifactView", "AuditView", "FileView", "InputView", "LineageView", "ModelView", "RegisterRequest",
-           "Registry", "ResultView", "VariantView", "VersionView", "actor"]
+           "Registry", "ResultView", "VariantSummary", "VariantView", "VersionView", "actor"]
 
 T = TypeVar("T")
 _VARIANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
@@ -457,18 +458,14 @@ class Registry:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def list_models(self, *, architecture: str | None = None, format: str | None = None) -> list[ModelView]:
-        """Models, by name; optionally only those of one architecture, or with a variant of one format."""
+    def list_models(self, *, architecture: str | None = None, format: str | None = None,
+                    query: str | None = None) -> list[ModelView]:
+        """Models, by name; optionally only those of one architecture, with a variant of one format, or
+        whose name contains ``query`` (case-insensitive). Aggregate queries, whatever the registry's size."""
+        from registry.listing import model_views
+
         with self._read() as session:
-            query = select(sql.Model).options(selectinload(sql.Model.variants).selectinload(sql.Variant.versions))
-            if architecture is not None:
-                query = query.where(sql.Model.architecture == architecture)
-            if format is not None:
-                query = query.where(sql.Model.variants.any(sql.Variant.format == format))
-            return [ModelView(name=m.name, architecture=m.architecture, variants=len(m.variants),
-                              versions=sum(len(v.versions) for v in m.variants), created_at=m.created_at.isoformat(),
-                              formats=sorted({v.format for v in m.variants}))
-                    for m in session.scalars(query.order_by(sql.Model.name)).all()]
+            return model_views(session, architecture=architecture, format=format, query=query)
 
     def list_variants(self, model: str, *, format: str | None = None) -> list[VariantView]:
         """Variants of ``model`` with their version numbers, latest version and its state, and aliases."""
@@ -491,6 +488,14 @@ class Registry:
                                        latest=latest.number if latest else None,
                                        latest_state=latest.state if latest else None, aliases=aliases.get(v.id, {})))
             return out
+
+    def variant_summaries(self, model: str, *, format: str | None = None) -> list[VariantSummary]:
+        """Every variant of ``model`` with its ``latest`` version's state, aliases, file totals, bpw, source
+        and results, in a fixed number of queries (listings, web pages). Raises NotFoundError."""
+        from registry.listing import variant_summaries
+
+        with self._read() as session:
+            return variant_summaries(session, self._model(session, model), format=format)
 
     def list_versions(self, model: str, variant: str) -> list[VersionView]:
         """Every version of ``model/variant``, oldest first, with files, results, aliases and lineage edges."""

@@ -149,3 +149,28 @@ class RegisterRequest(BaseModel):
     files: dict[str, Path]  # logical name -> path on disk
     inputs: list[InputView] = Field(default_factory=list)
     force: bool = False
+
+
+class VariantSummary(BaseModel):
+    """One variant of a model with its ``latest`` version, in the shape a listing needs: no lineage
+    documents or file lists, just their totals (see :meth:`registry.store.Registry.variant_summaries`)."""
+
+    model: str
+    variant: str
+    format: str
+    spec: dict[str, Any]
+    version: int | None  # the number ``latest`` points at; None for a variant with no version yet
+    versions: int
+    state: str | None
+    created_at: str | None
+    aliases: dict[str, int] = Field(default_factory=dict)  # every alias of the variant -> version number
+    size: int = 0
+    files: int = 0
+    bpw: float | None = None  # lineage["info"]["bpw"] when the converter recorded it
+    source: dict[str, Any] = Field(default_factory=dict)
+    results: list[ResultView] = Field(default_factory=list)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.model}/{self.variant}@{self.version}" if self.version is not None else \
+            f"{self.model}/{self.variant}"

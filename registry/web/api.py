@@ -1,0 +1,193 @@
+"""JSON API under ``/api/v1`` (schema at ``/api/v1/openapi.json``, docs at ``/api/v1/docs``).
+
+Paths name registry objects the way the CLI does: ``MODEL`` (``name`` or ``owner/name``),
+``MODEL/VARIANT`` and ``MODEL/VARIANT[@VERSION|@ALIAS]``. Sub-resources follow a ``/-/`` separator,
+which no name can contain, so every path has exactly one reading.
+
+Reads are open. Writes (move an alias, change a state) need ``Authorization: Bearer <token>`` with
+the token from ``QUANTYARD_WEB_TOKEN``; with no token configured they are disabled (403).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, computed_field
+
+from pipeline.errors import NotFoundError
+from pipeline.specs import VersionState
+from registry.store import Registry
+from registry.views import (
+    AuditView,
+    FileView,
+    LineageView,
+    ModelView,
+    ResultView,
+    VariantSummary,
+    VersionView,
+)
+from registry.web.commands import download_path
+from registry.web.downloads import file_response
+from registry.web.table import Row, row_from_summary
+
+router = APIRouter(prefix="/api/v1", tags=["registry"])
+
+
+def registry_of(request: Request) -> Registry:
+    return request.app.state.registry  # type: ignore[no-any-return]
+
+
+Reg = Annotated[Registry, Depends(registry_of)]
+
+
+class ModelDetail(BaseModel):
+    model: ModelView
+    variants: list[VariantSummary]
+
+
+class FileLink(FileView):
+    url: str
+
+
+class AliasRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    note: str | None = Field(default=None, max_length=2000)
+
+
+class StateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    state: VersionState
+    note: str | None = Field(default=None, max_length=2000)
+
+
+class VersionOut(VersionView):
+    """A version as the API returns it: with its pinned reference ``MODEL/VARIANT@N``."""
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def ref(self) -> str:
+        return f"{self.model}/{self.variant}@{self.number}"
+
+
+def _version_out(view: VersionView) -> VersionOut:
+    return VersionOut.model_validate(view.model_dump())
+
+
+def require_token(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+    """Check the bearer token; returns the actor name recorded in the audit log."""
+    expected: str | None = request.app.state.token
+    if expected is None:
+        raise HTTPException(403, detail="writes through the web API are disabled: set QUANTYARD_WEB_TOKEN on the "
+                                        "server to enable them")
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise HTTPException(401, detail="this endpoint needs 'Authorization: Bearer <token>'",
+                            headers={"WWW-Authenticate": 'Bearer realm="quantyard"'})
+    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise HTTPException(403, detail="the bearer token is not valid for this server")
+    client = request.client.host if request.client else "unknown"
+    return f"web-api@{client}"
+
+
+Actor = Annotated[str, Depends(require_token)]
+
+
+@router.get("/models", response_model=list[ModelView])
+def list_models(reg: Reg, q: str | None = None, architecture: str | None = None,
+                format: str | None = None) -> list[ModelView]:
+    """Models, optionally filtered by a name substring, architecture or format."""
+    return reg.list_models(architecture=architecture or None, format=format or None, query=q or None)
+
+
+@router.get("/models/{model:qmodel}", response_model=ModelDetail)
+def get_model(reg: Reg, model: str) -> ModelDetail:
+    """One model and every variant with its latest version (state, aliases, size, bpw, results)."""
+    variants = reg.variant_summaries(model)  # raises NotFoundError for an unknown model
+    found = [m for m in reg.list_models(query=model) if m.name == model]
+    if not found:
+        raise NotFoundError(f"model {model!r} is not in the registry")
+    return ModelDetail(model=found[0], variants=variants)
+
+
+@router.get("/models/{model:qmodel}/-/table", response_model=list[Row])
+def model_table(reg: Reg, model: str) -> list[Row]:
+    """The comparison table of a model: the latest version of every variant, metrics on one scale,
+    and why a metric is missing."""
+    return [row_from_summary(s) for s in reg.variant_summaries(model)]
+
+
+@router.get("/variants/{variant:qvariant}/-/versions", response_model=list[VersionOut])
+def list_versions(reg: Reg, variant: str) -> list[VersionOut]:
+    """Every version of ``MODEL/VARIANT``, oldest first."""
+    model, _, name = variant.rpartition("/")
+    return [_version_out(v) for v in reg.list_versions(model, name)]
+
+
+@router.get("/versions/{ref:qref}", response_model=VersionOut)
+def get_version(reg: Reg, ref: str) -> VersionOut:
+    """One version (``@latest`` without a selector)."""
+    return _version_out(reg.get_version(ref))
+
+
+@router.get("/versions/{ref:qref}/-/results", response_model=list[ResultView])
+def get_results(reg: Reg, ref: str) -> list[ResultView]:
+    return reg.get_version(ref).results
+
+
+@router.get("/versions/{ref:qref}/-/lineage", response_model=LineageView)
+def get_lineage(reg: Reg, ref: str) -> LineageView:
+    return reg.lineage(ref)
+
+
+@router.get("/versions/{ref:qref}/-/files", response_model=list[FileLink])
+def list_files(reg: Reg, ref: str) -> list[FileLink]:
+    """Files of a version with their sha256, size and download path (pinned to the version number)."""
+    view = reg.get_version(ref)
+    return [FileLink(**f.model_dump(), url=download_path(view.ref, f.name)) for f in view.files]
+
+
+DOWNLOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {}}, "description": "The whole file, verified while streaming"},
+    206: {"description": "Partial content (Range)"}, 304: {"description": "Not modified (If-None-Match)"},
+    416: {"description": "Range not satisfiable"}}
+
+
+@router.get("/versions/{ref:qref}/-/files/{name:path}", response_class=Response, responses=DOWNLOAD_RESPONSES)
+def download(request: Request, reg: Reg, ref: str, name: str) -> Response:
+    """Download one file. Supports ``Range`` (one range), ``If-Range``, ``If-None-Match`` and ``HEAD``; the
+    ``ETag`` is the file's sha256. A whole-file download is verified against it while streaming, and cut
+    short (the connection closes before ``Content-Length`` bytes) if the stored bytes do not match."""
+    return file_response(request, reg, ref, name)
+
+
+@router.head("/versions/{ref:qref}/-/files/{name:path}", response_class=Response, include_in_schema=False)
+def download_head(request: Request, reg: Reg, ref: str, name: str) -> Response:
+    return file_response(request, reg, ref, name)
+
+
+@router.get("/audit", response_model=list[AuditView])
+def audit(reg: Reg, model: str | None = None, variant: str | None = None, limit: int = 200) -> list[AuditView]:
+    """Newest audit events (registrations, alias moves, state changes)."""
+    return reg.audit_log(model, variant, limit=max(1, min(limit, 1000)))
+
+
+@router.put("/versions/{ref:qref}/-/aliases/{alias}", response_model=VersionOut)
+def set_alias(reg: Reg, actor: Actor, ref: str, alias: str, body: AliasRequest | None = None) -> VersionOut:
+    """Point alias ``alias`` of the variant at this version (needs the bearer token)."""
+    return _version_out(reg.set_alias(ref, alias, by=actor, note=body.note if body else None))
+
+
+@router.delete("/variants/{variant:qvariant}/-/aliases/{alias}", status_code=204, response_class=Response)
+def delete_alias(reg: Reg, actor: Actor, variant: str, alias: str) -> Response:
+    """Remove an alias from a variant (needs the bearer token)."""
+    model, _, name = variant.rpartition("/")
+    reg.delete_alias(model, name, alias, by=actor)
+    return Response(status_code=204)
+
+
+@router.post("/versions/{ref:qref}/-/state", response_model=VersionOut)
+def set_state(reg: Reg, actor: Actor, ref: str, body: StateRequest) -> VersionOut:
+    """Move a version to another state (needs the bearer token). Illegal moves answer 409."""
+    return _version_out(reg.set_state(ref, body.state, by=actor, note=body.note))

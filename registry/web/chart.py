@@ -1,0 +1,136 @@
+"""Size-vs-quality chart of a model's variants, laid out here and drawn as inline SVG by a template.
+
+y is KLD against the reference (log scale) when any variant has it, else PPL (linear). One marker per
+variant, coloured by format; the Pareto front (no other variant is both smaller and better) is a line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from registry.web.table import Row, pareto_front
+
+WIDTH, HEIGHT = 720, 360
+LEFT, RIGHT, TOP, BOTTOM = 70, 20, 20, 50
+FORMAT_COLOURS = {"gguf": "#1f77b4", "awq": "#d62728", "exl2": "#2ca02c"}
+PALETTE = ("#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
+
+
+@dataclass(frozen=True)
+class Point:
+    x: float
+    y: float
+    colour: str
+    label: str
+    ref: str
+    title: str
+    on_front: bool
+
+
+@dataclass(frozen=True)
+class Tick:
+    pos: float
+    label: str
+
+
+@dataclass
+class Chart:
+    metric: str  # kld | ppl
+    y_label: str
+    x_label: str
+    width: int = WIDTH
+    height: int = HEIGHT
+    points: list[Point] = field(default_factory=list)
+    front: list[tuple[float, float]] = field(default_factory=list)
+    x_ticks: list[Tick] = field(default_factory=list)
+    y_ticks: list[Tick] = field(default_factory=list)
+    legend: list[tuple[str, str]] = field(default_factory=list)  # (format, colour)
+    not_plotted: list[tuple[str, str]] = field(default_factory=list)  # (variant, reason)
+    left: int = LEFT
+    top: int = TOP
+    plot_w: int = WIDTH - LEFT - RIGHT
+    plot_h: int = HEIGHT - TOP - BOTTOM
+
+    @property
+    def front_path(self) -> str:
+        return " ".join(f"{x:.1f},{y:.1f}" for x, y in self.front)
+
+
+def format_colours(formats: Sequence[str]) -> dict[str, str]:
+    others = sorted({f for f in formats if f not in FORMAT_COLOURS})
+    return {**FORMAT_COLOURS, **{f: PALETTE[i % len(PALETTE)] for i, f in enumerate(others)}}
+
+
+def _nice_step(span: float, count: int = 5) -> float:
+    raw = span / max(count, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+
+
+def _linear_ticks(lo: float, hi: float) -> tuple[float, float, list[float]]:
+    if hi <= lo:
+        lo, hi = lo - abs(lo) * 0.1 - 1e-9, hi + abs(hi) * 0.1 + 1e-9
+    step = _nice_step(hi - lo)
+    start, end = math.floor(lo / step) * step, math.ceil(hi / step) * step
+    n = round((end - start) / step)
+    return start, end, [start + i * step for i in range(n + 1)]
+
+
+def _log_ticks(lo: float, hi: float) -> tuple[float, float, list[float]]:
+    a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    if a == b:
+        b += 1
+    return 10.0 ** a, 10.0 ** b, [10.0 ** k for k in range(a, b + 1)]
+
+
+def size_unit(max_bytes: float) -> tuple[float, str]:
+    for div, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if max_bytes >= div:
+            return div, unit
+    return 1.0, "B"
+
+
+def _fmt(v: float, log: bool) -> str:
+    if log:
+        return f"1e{round(math.log10(v))}"
+    return f"{v:g}" if abs(v) < 1e5 else f"{v:.3g}"
+
+
+def build_chart(rows: Sequence[Row]) -> Chart | None:
+    """Lay out the chart, or None when no variant has a size and a quality figure."""
+    metric = "kld" if any(r.kld is not None for r in rows) else "ppl"
+    plotted = [r for r in rows if getattr(r, metric) is not None and r.size]
+    if not plotted:
+        return None
+    log = metric == "kld"
+    floor = min((r.kld for r in plotted if r.kld and r.kld > 0), default=1e-6) / 2 if log else 0.0
+    values = [max(float(getattr(r, metric)), floor) if log else float(getattr(r, metric)) for r in plotted]
+    div, unit = size_unit(max(float(r.size or 0) for r in plotted))
+    sizes = [float(r.size or 0) / div for r in plotted]
+    x0, x1, xt = _linear_ticks(0.0, max(sizes) * 1.05)
+    y0, y1, yt = _log_ticks(min(values), max(values)) if log else _linear_ticks(min(values), max(values))
+    chart = Chart(metric=metric, y_label="KLD vs reference (log)" if log else "perplexity",
+                  x_label=f"size ({unit})")
+
+    def px(x: float) -> float:
+        return chart.left + (x - x0) / (x1 - x0) * chart.plot_w
+
+    def py(y: float) -> float:
+        frac = (math.log10(y) - math.log10(y0)) / (math.log10(y1) - math.log10(y0)) if log else (y - y0) / (y1 - y0)
+        return chart.top + (1 - frac) * chart.plot_h
+
+    colours = format_colours([r.format for r in rows])
+    front = set(pareto_front(list(zip(sizes, values, strict=True))))
+    for i, r in enumerate(plotted):
+        title = f"{r.ref} · {r.format} {r.quant} · {sizes[i]:.3g} {unit} · {chart.y_label.split(' ')[0]} " \
+                f"{getattr(r, metric):.4g}" + (f" · {r.engine}" if r.engine else "")
+        chart.points.append(Point(px(sizes[i]), py(values[i]), colours[r.format], r.variant, r.ref, title, i in front))
+    chart.front = sorted((p.x, p.y) for p in chart.points if p.on_front)
+    chart.x_ticks = [Tick(px(t), _fmt(t, False)) for t in xt]
+    chart.y_ticks = [Tick(py(t), _fmt(t, log)) for t in yt]
+    chart.legend = [(f, colours[f]) for f in sorted({r.format for r in plotted})]
+    shown = {id(r) for r in plotted}
+    chart.not_plotted = [(r.variant, r.reason(metric) or "no size") for r in rows if id(r) not in shown]
+    return chart

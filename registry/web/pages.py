@@ -1,0 +1,114 @@
+"""Server-rendered pages: models index, model page (table + chart), version page, compare page."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import HTMLResponse
+from fastapi.templating import Jinja2Templates
+
+from pipeline.errors import InvalidReferenceError
+from pipeline.specs import Ref
+from registry.store import Registry
+from registry.views import ArtifactView, VersionView
+from registry.web.api import registry_of
+from registry.web.chart import build_chart, format_colours
+from registry.web.commands import commands, download_path
+from registry.web.table import METRICS, Row, row_from_summary, row_from_version, sort_rows
+
+router = APIRouter(include_in_schema=False)
+Reg = Annotated[Registry, Depends(registry_of)]
+MAX_COMPARE = 6
+SORT_KEYS = frozenset({*METRICS, "variant", "format", "state", "engine"})
+
+
+def templates(request: Request) -> Jinja2Templates:
+    return request.app.state.templates  # type: ignore[no-any-return]
+
+
+def render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
+    return templates(request).TemplateResponse(request, name, context, status_code=status)
+
+
+@router.get("/", response_class=HTMLResponse)
+def index(request: Request, reg: Reg, q: str | None = None, architecture: str | None = None,
+          format: str | None = None) -> HTMLResponse:
+    everything = reg.list_models()
+    shown = reg.list_models(architecture=architecture or None, format=format or None, query=q or None) \
+        if (q or architecture or format) else everything
+    return render(request, "index.html", models=shown, total=len(everything), q=q or "",
+                  architecture=architecture or "", format=format or "",
+                  architectures=sorted({m.architecture for m in everything if m.architecture}),
+                  formats=sorted({f for m in everything for f in m.formats}))
+
+
+@router.get("/models/{model:qmodel}", response_class=HTMLResponse)
+def model_page(request: Request, reg: Reg, model: str, sort: str | None = None, dir: str = "asc",
+               format: str | None = None) -> HTMLResponse:
+    sort = sort if sort in SORT_KEYS else None
+    dir = "desc" if dir == "desc" else "asc"
+    summaries = reg.variant_summaries(model)
+    all_rows = [row_from_summary(s) for s in summaries]
+    rows = [r for r in all_rows if not format or r.format == format]
+    rows = sort_rows(rows, sort, descending=dir == "desc")
+    sources = {s.source.get("identity"): s.source for s in summaries if s.source}
+    window_sets = sorted({r.window_set_id for r in rows if r.window_set_id})
+    return render(request, "model.html", model=model, rows=rows, chart=build_chart(rows), metrics=METRICS,
+                  sources=list(sources.values()), window_sets=window_sets, sort=sort, dir=dir,
+                  format=format or "", formats=sorted({r.format for r in all_rows}),
+                  colours=format_colours([r.format for r in all_rows]),
+                  architecture=next((m.architecture for m in reg.list_models(query=model) if m.name == model), None))
+
+
+def _eval_artifacts(reg: Registry, versions: Sequence[VersionView]) -> dict[str, dict[str, ArtifactView]]:
+    """Window set and reference artifacts of the sources, keyed by window-set id."""
+    out: dict[str, dict[str, ArtifactView]] = {}
+    for identity in {v.source["identity"] for v in versions}:
+        for art in reg.list_source_artifacts(identity):
+            ws = art.meta.get("id") if art.kind == "window_set" else art.meta.get("window_set_id")
+            if art.kind in ("window_set", "reference") and ws:
+                out.setdefault(str(ws), {})[art.kind] = art
+    return out
+
+
+@router.get("/versions/{ref:qref}", response_class=HTMLResponse)
+def version_page(request: Request, reg: Reg, ref: str) -> HTMLResponse:
+    view = reg.get_version(ref)
+    history = reg.list_versions(view.model, view.variant)
+    aliases = reg.aliases(view.model, view.variant)
+    by_version: dict[int, list[str]] = {}
+    for name, number in aliases.items():
+        by_version.setdefault(number, []).append(name)
+    rows = [row_from_version(v, {a: v.number for a in by_version.get(v.number, [])}) for v in reversed(history)]
+    used = {r.window_set_id for r in view.results if r.window_set_id}
+    evals = {ws: arts for ws, arts in _eval_artifacts(reg, [view]).items() if ws in used}
+    return render(request, "version.html", view=view, lineage=reg.lineage(view.ref), history=rows,
+                  aliases=aliases, evals=evals, commands=commands(view, str(request.base_url)),
+                  files=[(f, download_path(view.ref, f.name)) for f in view.files],
+                  row=row_from_version(view, {a: view.number for a in by_version.get(view.number, [])}),
+                  requested=ref, metrics=METRICS)
+
+
+@router.get("/compare", response_class=HTMLResponse)
+def compare_page(request: Request, reg: Reg, ref: Annotated[list[str] | None, Query()] = None) -> HTMLResponse:
+    refs = list(dict.fromkeys(r.strip() for r in (ref or []) if r.strip()))
+    if not 2 <= len(refs) <= MAX_COMPARE:
+        raise InvalidReferenceError(f"compare needs 2 to {MAX_COMPARE} different variants, got {len(refs)}",
+                                    hint="tick 2 to 6 variants on a model page, then press Compare")
+    rows: list[Row] = []
+    for text in refs:
+        view = reg.get_version(Ref.parse(text))
+        rows.append(row_from_version(view))
+    best = {key: _best(rows, key, lower) for key, (_, lower) in METRICS.items()}
+    return render(request, "compare.html", rows=rows, metrics=METRICS, best=best,
+                  window_sets=sorted({r.window_set_id for r in rows if r.window_set_id}))
+
+
+def _best(rows: Sequence[Row], key: str, lower: bool) -> str | None:
+    have = [r for r in rows if getattr(r, key) is not None]
+    if len(have) < 2:
+        return None
+    pick = min if lower else max
+    return pick(have, key=lambda r: getattr(r, key)).ref

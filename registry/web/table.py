@@ -1,0 +1,182 @@
+"""The comparison table: one row per variant version, with every metric on one scale and, where a
+metric is missing, the reason (not evaluated, evaluation failed, engine unavailable).
+
+Generic over formats and engines: a row takes the newest successful ``quality`` result (PPL, ΔPPL,
+KLD, top-1 as produced by ``evaluators.metrics.compare``) and the newest successful ``speed`` result
+(``prompt_tok_per_s`` / ``decode_tok_per_s``, a number or ``{"median": …}``) of whatever engine ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from registry.views import ResultView, VariantSummary, VersionView
+
+NOT_EVALUATED = "not evaluated"
+EVAL_FAILED = "evaluation failed"
+ENGINE_UNAVAILABLE = "engine unavailable"
+
+#: Result statuses and error types that mean "the engine could not run here", not "the quant is bad".
+UNAVAILABLE_STATUSES = frozenset({"unavailable", "skipped"})
+UNAVAILABLE_ERRORS = ("ToolchainMissingError", "EngineUnavailableError")
+
+#: Sortable numeric columns: key -> (header, lower is better).
+METRICS: dict[str, tuple[str, bool]] = {
+    "size": ("size", True), "bpw": ("bpw", True), "ppl": ("PPL", True), "delta_ppl_pct": ("ΔPPL %", True),
+    "kld": ("KLD", True), "top1_pct": ("top-1 %", False), "pp_tok_s": ("prompt tok/s", False),
+    "tg_tok_s": ("decode tok/s", False),
+}
+QUALITY_KEYS = ("ppl", "delta_ppl_pct", "kld", "top1_pct")
+SPEED_KEYS = ("pp_tok_s", "tg_tok_s")
+
+
+class Row(BaseModel):
+    """One variant version in the comparison table (also the JSON API's ``table`` rows)."""
+
+    ref: str
+    model: str
+    variant: str
+    version: int | None
+    format: str
+    quant: str  # type (GGUF), bits per weight (EXL2), bits/group (AWQ)...
+    state: str | None
+    aliases: dict[str, int] = Field(default_factory=dict)
+    size: int | None = None
+    bpw: float | None = None
+    ppl: float | None = None
+    ppl_se: float | None = None
+    delta_ppl_pct: float | None = None
+    kld: float | None = None
+    top1_pct: float | None = None
+    pp_tok_s: float | None = None
+    tg_tok_s: float | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    speed_engine: str | None = None
+    window_set_id: str | None = None
+    quality_reason: str | None = None  # why the quality metrics are missing
+    quality_error: str | None = None
+    speed_reason: str | None = None
+    speed_error: str | None = None
+
+    def reason(self, key: str) -> str | None:
+        """Why ``key`` has no value (None when it has one)."""
+        if getattr(self, key) is not None:
+            return None
+        if key in QUALITY_KEYS:
+            return self.quality_reason or "not reported"
+        if key in SPEED_KEYS:
+            return self.speed_reason or "not reported"
+        return "unknown"
+
+
+def quant_label(fmt: str, spec: dict[str, Any]) -> str:
+    """What distinguishes variants of one format: the GGUF type, EXL2 bpw, AWQ bits and group size."""
+    if "type" in spec:
+        return str(spec["type"]) + (" (imatrix)" if spec.get("imatrix") else "")
+    if "bpw" in spec:
+        return f"{spec['bpw']} bpw" + (f", head {spec['head_bits']}" if "head_bits" in spec else "")
+    if "bits" in spec:
+        group = f" g{spec['group_size']}" if "group_size" in spec else ""
+        sym = "" if "symmetric" not in spec else (" sym" if spec["symmetric"] else " asym")
+        return f"W{spec['bits']}{group}{sym}"
+    return fmt
+
+
+def median(x: Any) -> float | None:
+    """A speed figure: a plain number, or the ``median`` of a repeated measurement."""
+    if isinstance(x, dict):
+        x = x.get("median")
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
+
+
+def _failure(results: Sequence[ResultView], kind: str) -> tuple[str, str | None]:
+    failed = [r for r in results if r.kind == kind and r.status != "ok"]
+    if not failed:
+        return NOT_EVALUATED, None
+    last = failed[-1]
+    err = last.error or ""
+    if last.status in UNAVAILABLE_STATUSES or err.startswith(UNAVAILABLE_ERRORS):
+        return ENGINE_UNAVAILABLE, err or last.status
+    return EVAL_FAILED, err or None
+
+
+def _newest_ok(results: Sequence[ResultView], kind: str) -> ResultView | None:
+    ok = [r for r in results if r.kind == kind and r.status == "ok"]
+    return ok[-1] if ok else None
+
+
+def metric_fields(results: Sequence[ResultView]) -> dict[str, Any]:
+    """The metric columns of a row from a version's results (oldest first), with reasons for gaps."""
+    out: dict[str, Any] = {}
+    quality = _newest_ok(results, "quality")
+    if quality is None:
+        out["quality_reason"], out["quality_error"] = _failure(results, "quality")
+    else:
+        m = quality.metrics
+        top1 = m.get("top1_agreement")
+        out.update(ppl=m.get("ppl"), ppl_se=_se(m), delta_ppl_pct=m.get("delta_ppl_pct"), kld=m.get("kld_mean"),
+                   top1_pct=100.0 * top1 if isinstance(top1, int | float) else None, engine=quality.engine,
+                   engine_version=quality.engine_version, window_set_id=quality.window_set_id)
+    speed = _newest_ok(results, "speed")
+    if speed is None:
+        out["speed_reason"], out["speed_error"] = _failure(results, "speed")
+        if out["speed_reason"] == NOT_EVALUATED and quality is None:
+            out["speed_reason"], out["speed_error"] = out["quality_reason"], out["quality_error"]
+    else:
+        out.update(pp_tok_s=median(speed.metrics.get("prompt_tok_per_s")),
+                   tg_tok_s=median(speed.metrics.get("decode_tok_per_s")), speed_engine=speed.engine)
+        if quality is None:
+            out.update(engine=speed.engine, engine_version=speed.engine_version)
+    return out
+
+
+def _se(m: dict[str, Any]) -> float | None:
+    """Standard error of PPL from the NLL's (delta method: se(PPL) = PPL * se(NLL))."""
+    ppl, se = m.get("ppl"), m.get("nll_se")
+    return float(ppl) * float(se) if isinstance(ppl, int | float) and isinstance(se, int | float) else None
+
+
+def row_from_summary(s: VariantSummary) -> Row:
+    return Row(ref=s.ref, model=s.model, variant=s.variant, version=s.version, format=s.format,
+               quant=quant_label(s.format, s.spec), state=s.state, aliases=s.aliases, size=s.size or None,
+               bpw=s.bpw if s.bpw is not None else _spec_bpw(s.spec), **metric_fields(s.results))
+
+
+def row_from_version(v: VersionView, aliases: dict[str, int] | None = None) -> Row:
+    bpw = (v.lineage.get("info") or {}).get("bpw")
+    return Row(ref=v.ref, model=v.model, variant=v.variant, version=v.number, format=v.format,
+               quant=quant_label(v.format, v.spec), state=v.state,
+               aliases=aliases if aliases is not None else dict.fromkeys(v.aliases, v.number), size=v.size or None,
+               bpw=bpw if isinstance(bpw, int | float) else _spec_bpw(v.spec), **metric_fields(v.results))
+
+
+def _spec_bpw(spec: dict[str, Any]) -> float | None:
+    bpw = spec.get("bpw")
+    return float(bpw) if isinstance(bpw, int | float) else None
+
+
+def sort_rows(rows: Iterable[Row], key: str | None, descending: bool = False) -> list[Row]:
+    """Rows sorted by a column; rows without a value always go last, whatever the direction."""
+    rows = list(rows)
+    if key is None or (key not in METRICS and key not in ("variant", "format", "state", "engine")):
+        return rows
+    have = [r for r in rows if getattr(r, key) is not None]
+    missing = [r for r in rows if getattr(r, key) is None]
+    return sorted(have, key=lambda r: getattr(r, key), reverse=descending) + missing
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both axes (lower x and lower y are better),
+    ordered by x. Ties in x keep only the lowest y."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front: list[int] = []
+    best_y = float("inf")
+    for i in order:
+        if points[i][1] < best_y:
+            front.append(i)
+            best_y = points[i][1]
+    return front

@@ -1,0 +1,118 @@
+"""The demo registry in a real headless Chromium (Debian's package), driven by Playwright: open the model
+page, sort by KLD, open a variant, download a file and check its sha256, screenshot the model page."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.registry.web.server import serving
+
+CHROMIUM = os.environ.get("QUANTYARD_CHROMIUM", "/usr/bin/chromium")
+# As root in a container, without a sandbox; no background traffic to hosts this machine cannot reach.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-default-apps", "--disable-extensions"]
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI must run the browser test: `make setup` installs it)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not (Path(CHROMIUM).is_file() or shutil.which(CHROMIUM)):
+        _unavailable(f"Chromium is not installed at {CHROMIUM}: run `make setup` (Debian package chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("playwright is not installed: run `make setup`")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_model_page_sort_open_download(browser: Any, demo_registry: Path, tmp_path: Path,
+                                       artifacts_dir: Path) -> None:
+    problems: list[str] = []
+    with serving(str(demo_registry)) as base:
+        context = browser.new_context(accept_downloads=True, viewport={"width": 1400, "height": 900})
+        page = context.new_page()
+        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.on("dialog", lambda d: problems.append(f"dialog: {d.message}"))
+
+        # 1. the model page of the demo registry, reached from the index
+        page.goto(base + "/")
+        page.get_by_role("link", name="demo", exact=True).click()
+        page.wait_for_url(base + "/models/demo")
+        rows = page.locator("#variants tbody tr[data-ref]")
+        assert rows.count() == 4
+        variants = rows.locator("a.variant-link").all_inner_texts()
+        assert sorted(variants) == ["F16", "Q2_K", "Q4_K_M", "Q8_0"]
+        assert page.locator("#chart circle.marker").count() == 4
+        assert page.locator("#chart polyline.front").count() == 1
+
+        # 2. sort by KLD (client-side): ascending, then descending
+        page.locator("#variants th[data-key=kld] a.sort").click()
+        assert page.locator("#variants th[data-key=kld]").get_attribute("aria-sort") == "ascending"
+        klds = [float(v) for v in rows.locator("td.m-kld").evaluate_all("cells => cells.map(c => c.dataset.v)")]
+        assert klds == sorted(klds) and len(klds) == 4
+        by_kld = rows.locator("a.variant-link").all_inner_texts()
+        assert by_kld[0] == "F16" and by_kld[-1] == "Q2_K"  # more bits, less divergence
+        assert "sort=kld" in page.url
+        page.locator("#variants th[data-key=kld] a.sort").click()
+        klds_desc = [float(v) for v in rows.locator("td.m-kld").evaluate_all("cells => cells.map(c => c.dataset.v)")]
+        assert klds_desc == sorted(klds, reverse=True)
+        page.locator("#variants th[data-key=kld] a.sort").click()  # back to ascending for the screenshot
+
+        # 5. a screenshot of the model page, kept as a test artifact (and used in the README)
+        shot = artifacts_dir / "model-page.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+
+        # 3. open a variant and download a file
+        page.locator("#variants a.variant-link", has_text="Q4_K_M").click()
+        page.wait_for_url(base + "/versions/demo/Q4_K_M@1")
+        assert page.locator("#version-ref").inner_text().startswith("demo/Q4_K_M")
+        link = page.locator("#files a.download").first
+        name = link.inner_text()
+        listed_sha = page.locator(f'#files code.sha[data-file="{name}"]').inner_text()
+        listed_size = int(page.locator("#files td[data-bytes]").first.get_attribute("data-bytes"))
+        with page.expect_download() as info:
+            link.click()
+        download = info.value
+        assert download.failure() is None
+        saved = tmp_path / "download" / download.suggested_filename
+        download.save_as(saved)
+
+        # 4. the bytes hash to the listed sha256
+        assert download.suggested_filename == name == "demo-Q4_K_M.gguf"
+        assert saved.stat().st_size == listed_size
+        assert sha256_file(saved) == listed_sha
+        assert page.locator("pre code", has_text="quantyard pull demo/Q4_K_M@1").count() == 1
+        assert page.locator("pre code", has_text="llama-server -m").count() == 1
+
+        # and the compare page from two ticked rows
+        page.go_back()
+        page.locator('input[name=ref][value="demo/Q4_K_M@1"]').check()
+        page.locator('input[name=ref][value="demo/Q8_0@1"]').check()
+        page.locator("#compare-button").click()
+        page.wait_for_url("**/compare?**")
+        assert page.locator("#compare thead th a").all_inner_texts() == ["demo/Q8_0@1", "demo/Q4_K_M@1"] or \
+            sorted(page.locator("#compare thead th a").all_inner_texts()) == ["demo/Q4_K_M@1", "demo/Q8_0@1"]
+        context.close()
+    assert problems == []
