@@ -13,7 +13,6 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from registry import sql
-from registry.rows import result_view
 from registry.views import ModelView, ResultView, VariantSummary
 
 
@@ -28,19 +27,19 @@ def _latest_rows(session: Session, model_id: int) -> list[Any]:
               .subquery("latest"))
     bpw = sql.Version.lineage[("info", "bpw")].as_float()
     query = (select(sql.Variant.id, sql.Variant.name, sql.Variant.format, sql.Variant.spec, sql.Version.id,
-                    sql.Version.number, sql.Version.state, sql.Version.created_at, bpw, sql.Source)
+                    sql.Version.number, sql.Version.state, sql.Version.created_at, bpw, sql.Version.source_id)
              .outerjoin(latest, latest.c.variant_id == sql.Variant.id)
              .outerjoin(sql.Version, sql.Version.id == latest.c.version_id)
-             .outerjoin(sql.Source, sql.Source.id == sql.Version.source_id)
              .where(sql.Variant.model_id == model_id).order_by(sql.Variant.name))
     return list(session.execute(query).all())
 
 
-def _source_dict(src: sql.Source | None) -> dict[str, Any]:
-    if src is None:
-        return {}
-    return {"identity": src.identity, "kind": src.kind, "repo_id": src.repo_id, "revision": src.revision,
-            "commit": src.commit, "content_hash": src.content_hash, "path": src.path}
+def _sources(session: Session, model_id: int) -> dict[int, dict[str, Any]]:
+    s = sql.Source
+    return {row.id: {"identity": row.identity, "kind": row.kind, "repo_id": row.repo_id, "revision": row.revision,
+                     "commit": row.commit, "content_hash": row.content_hash, "path": row.path}
+            for row in session.execute(select(s.id, s.identity, s.kind, s.repo_id, s.revision, s.commit,
+                                              s.content_hash, s.path).where(s.model_id == model_id))}
 
 
 def variant_summaries(session: Session, model: sql.Model, *, format: str | None = None) -> list[VariantSummary]:
@@ -50,8 +49,15 @@ def variant_summaries(session: Session, model: sql.Model, *, format: str | None 
         select(sql.VersionFile.version_id, func.sum(sql.VersionFile.size), func.count())
         .where(sql.VersionFile.version_id.in_(ids)).group_by(sql.VersionFile.version_id))}
     results: dict[int, list[ResultView]] = {}
-    for r in session.scalars(select(sql.Result).where(sql.Result.version_id.in_(ids)).order_by(sql.Result.id)):
-        results.setdefault(r.version_id, []).append(result_view(r))
+    r = sql.Result
+    for row in session.execute(select(r.version_id, r.id, r.kind, r.engine, r.engine_version, r.window_set_id,
+                                      r.status, r.metrics, r.hardware, r.error, r.wall_s, r.created_at)
+                               .where(r.version_id.in_(ids)).order_by(r.id)):
+        # Trusted rows of our own schema: build the views without re-validating every field.
+        results.setdefault(row.version_id, []).append(ResultView.model_construct(
+            id=row.id, kind=row.kind, engine=row.engine, engine_version=row.engine_version,
+            window_set_id=row.window_set_id, status=row.status, metrics=row.metrics or {}, hardware=row.hardware or {},
+            error=row.error, wall_s=row.wall_s, created_at=row.created_at.isoformat()))
     aliases: dict[int, dict[str, int]] = {}
     for variant_id, name, number in session.execute(
             select(sql.Alias.variant_id, sql.Alias.name, sql.Version.number)
@@ -62,15 +68,17 @@ def variant_summaries(session: Session, model: sql.Model, *, format: str | None 
     counts = dict(session.execute(select(sql.Version.variant_id, func.count())
                                   .join(sql.Variant, sql.Version.variant_id == sql.Variant.id)
                                   .where(sql.Variant.model_id == model.id).group_by(sql.Version.variant_id)).all())
+    sources = _sources(session, model.id)
     out = []
-    for vid, name, fmt, spec, version_id, number, state, created, bpw, src in _latest_rows(session, model.id):
+    for vid, name, fmt, spec, version_id, number, state, created, bpw, source_id in _latest_rows(session, model.id):
         if format is not None and fmt != format:
             continue
         size, n_files = totals.get(version_id, (0, 0))
-        out.append(VariantSummary(
+        out.append(VariantSummary.model_construct(
             model=model.name, variant=name, format=fmt, spec=spec, version=number, versions=counts.get(vid, 0),
             state=state, created_at=created.isoformat() if created else None, aliases=aliases.get(vid, {}),
-            size=size, files=n_files, bpw=bpw, source=_source_dict(src), results=results.get(version_id, [])))
+            size=size, files=n_files, bpw=bpw, source=dict(sources.get(source_id, {})),
+            results=results.get(version_id, [])))
     return out
 
 

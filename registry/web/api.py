@@ -133,11 +133,13 @@ def get_version(reg: Reg, ref: str) -> VersionOut:
 
 @router.get("/versions/{ref:qref}/-/results", response_model=list[ResultView])
 def get_results(reg: Reg, ref: str) -> list[ResultView]:
+    """Evaluation results of a version (quality and speed, per engine), oldest first."""
     return reg.get_version(ref).results
 
 
 @router.get("/versions/{ref:qref}/-/lineage", response_model=LineageView)
 def get_lineage(reg: Reg, ref: str) -> LineageView:
+    """Where a version's bytes came from: source commit or content hash, tool, parameters, environment."""
     return reg.lineage(ref)
 
 

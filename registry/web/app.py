@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -26,6 +24,7 @@ from pipeline.errors import (
     QuantyardError,
 )
 from registry.store import Registry
+from registry.web.format import human_size, metric_cells, number, path_quote
 
 HERE = Path(__file__).parent
 log = logging.getLogger("quantyard.web")
@@ -105,38 +104,8 @@ def _templates() -> Jinja2Templates:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(size=human_size, num=number, path=path_quote)
+    env.globals.update(cells=metric_cells)
     return Jinja2Templates(env=env)
-
-
-def human_size(n: int | None) -> str:
-    if n is None:
-        return ""
-    for div, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if n >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n} B"
-
-
-def path_quote(value: str) -> str:
-    """A registry name or reference as a URL path (``/`` and ``@`` kept, everything else escaped)."""
-    return quote(str(value), safe="/@")
-
-
-def number(x: float | None, kind: str = "") -> str:
-    """Table formatting: KLD in scientific notation, percentages with sign where it matters."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return ""
-    if kind == "kld":
-        return f"{x:.3e}"
-    if kind == "delta_ppl_pct":
-        return f"{x:+.3f}"
-    if kind in ("pp_tok_s", "tg_tok_s"):
-        return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
-    if kind == "bpw":
-        return f"{x:.3f}"
-    if kind == "ppl":
-        return f"{x:.4f}" if x < 1000 else f"{x:,.1f}"
-    return f"{x:.2f}"
 
 
 def create_app(registry: Registry, *, token: str | None = None) -> FastAPI:
@@ -144,7 +113,7 @@ def create_app(registry: Registry, *, token: str | None = None) -> FastAPI:
     from registry.web import api, pages
 
     app = FastAPI(title="Quantyard registry", version="1", openapi_url="/api/v1/openapi.json",
-                  docs_url="/api/v1/docs", redoc_url=None,
+                  docs_url=None, redoc_url=None,  # FastAPI's doc pages load scripts from a CDN
                   description="Browse models and quantized variants, their evaluation results and files.")
     app.state.registry = registry
     app.state.token = token or None

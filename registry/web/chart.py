@@ -35,6 +35,9 @@ class Tick:
     label: str
 
 
+MAX_LABELS = 24  # beyond this, markers keep only their tooltips
+
+
 @dataclass
 class Chart:
     metric: str  # kld | ppl
@@ -48,6 +51,7 @@ class Chart:
     y_ticks: list[Tick] = field(default_factory=list)
     legend: list[tuple[str, str]] = field(default_factory=list)  # (format, colour)
     not_plotted: list[tuple[str, str]] = field(default_factory=list)  # (variant, reason)
+    labels: bool = True
     left: int = LEFT
     top: int = TOP
     plot_w: int = WIDTH - LEFT - RIGHT
@@ -127,6 +131,7 @@ def build_chart(rows: Sequence[Row]) -> Chart | None:
         title = f"{r.ref} · {r.format} {r.quant} · {sizes[i]:.3g} {unit} · {chart.y_label.split(' ')[0]} " \
                 f"{getattr(r, metric):.4g}" + (f" · {r.engine}" if r.engine else "")
         chart.points.append(Point(px(sizes[i]), py(values[i]), colours[r.format], r.variant, r.ref, title, i in front))
+    chart.labels = len(chart.points) <= MAX_LABELS
     chart.front = sorted((p.x, p.y) for p in chart.points if p.on_front)
     chart.x_ticks = [Tick(px(t), _fmt(t, False)) for t in xt]
     chart.y_ticks = [Tick(py(t), _fmt(t, log)) for t in yt]

@@ -91,6 +91,14 @@ def version_page(request: Request, reg: Reg, ref: str) -> HTMLResponse:
                   requested=ref, metrics=METRICS)
 
 
+@router.get("/api", response_class=HTMLResponse)
+def api_reference(request: Request) -> HTMLResponse:
+    """The JSON API's endpoints, rendered from the app's own OpenAPI schema (no CDN-hosted doc UI)."""
+    schema = request.app.openapi()
+    ops = [(method.upper(), path, op) for path, item in schema["paths"].items() for method, op in item.items()]
+    return render(request, "api.html", operations=ops, version=schema["info"]["version"])
+
+
 @router.get("/compare", response_class=HTMLResponse)
 def compare_page(request: Request, reg: Reg, ref: Annotated[list[str] | None, Query()] = None) -> HTMLResponse:
     refs = list(dict.fromkeys(r.strip() for r in (ref or []) if r.strip()))

@@ -70,7 +70,7 @@ class Row(BaseModel):
             return self.quality_reason or "not reported"
         if key in SPEED_KEYS:
             return self.speed_reason or "not reported"
-        return "unknown"
+        return "not recorded"
 
 
 def quant_label(fmt: str, spec: dict[str, Any]) -> str:

@@ -51,7 +51,8 @@ def test_openapi_schema_lists_every_endpoint(small_server: str) -> None:
               "/api/v1/versions/{ref}/-/lineage", "/api/v1/versions/{ref}/-/aliases/{alias}",
               "/api/v1/versions/{ref}/-/state"):
         assert p in paths, p
-    assert HTTP.get(f"{small_server}/api/v1/docs").status_code == 200
+    reference = HTTP.get(f"{small_server}/api").text  # the endpoint list, rendered from the schema
+    assert "/api/v1/versions/{ref}/-/files/{name}" in reference and "Range" in reference
 
 
 def test_models_with_filters(small_server: str) -> None:

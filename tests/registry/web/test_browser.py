@@ -115,4 +115,4 @@ def test_model_page_sort_open_download(browser: Any, demo_registry: Path, tmp_pa
         assert page.locator("#compare thead th a").all_inner_texts() == ["demo/Q8_0@1", "demo/Q4_K_M@1"] or \
             sorted(page.locator("#compare thead th a").all_inner_texts()) == ["demo/Q4_K_M@1", "demo/Q8_0@1"]
         context.close()
-    assert problems == []
+    assert problems == [], problems
