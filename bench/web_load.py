@@ -156,9 +156,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(registry: Path, port: int) -> subprocess.Popen[bytes]:
+def start_server(registry: Path, port: int, cache: bool) -> subprocess.Popen[bytes]:
     """``quantyard serve`` in its own process (the one under test)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "QUANTYARD_WEB_CACHE_ENTRIES": "256" if cache else "0"}
     env.pop("QUANTYARD_WEB_TOKEN", None)
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--registry", str(registry),
                              "--port", str(port), "--log-level", "warning"], env=env,
@@ -203,20 +204,8 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=int, default=50)
-    ap.add_argument("--variants", type=int, default=200, help="variants per model")
-    ap.add_argument("--requests", type=int, default=200, help="measured requests per endpoint")
-    ap.add_argument("--registry", type=Path, help="registry folder to create (default: a temp folder, removed)")
-    ap.add_argument("--fill", choices=("bulk", "api"), default="bulk")
-    ap.add_argument("--port", type=int, default=0)
-    args = ap.parse_args()
-
-    tmp = Path(tempfile.mkdtemp(prefix="quantyard-web-bench-"))
-    root = args.registry or tmp / "registry"
+def fill(args: argparse.Namespace, root: Path, tmp: Path, models: list[str]) -> None:
     rng = random.Random(7)
-    models = [f"bench/model-{k:03d}" for k in range(args.models)]
     t0 = time.perf_counter()
     reg = open_registry(str(root))
     files = tmp / "files"
@@ -229,44 +218,77 @@ def main() -> None:
     elif len(models) > 1:
         fill_bulk(reg, models[1:], args.variants, files, rng)
     shutil.rmtree(files)
-    total = sum(m.variants for m in reg.list_models())
-    print(f"registry: {root}  {len(models)} models × {args.variants} = {total} SYNTHETIC variants "
-          f"(first model via the Registry API in {t_api:.1f} s, the rest via {args.fill} in "
-          f"{time.perf_counter() - t0 - t_api:.1f} s)")
+    print(f"filled in {time.perf_counter() - t0:.1f} s (first model via the Registry API in {t_api:.1f} s, "
+          f"the rest via {args.fill})")
 
-    port = args.port or free_port()
-    server = start_server(root, port)
+
+def targets(reg: Registry, model: str) -> list[tuple[str, str, dict[str, str] | None]]:
+    first = reg.variant_summaries(model)[0]
+    ref, fname = first.ref, f"{first.variant}.bin"
+    n = len(reg.variant_summaries(model))
+    return [
+        (f"model page (HTML, {n} variants)", f"/models/{model}", None),
+        ("API model table (JSON)", f"/api/v1/models/{model}/-/table", None),
+        ("API model detail (JSON)", f"/api/v1/models/{model}", None),
+        ("models index (HTML)", "/", None),
+        ("API models (JSON)", "/api/v1/models", None),
+        ("version page (HTML)", f"/versions/{ref}", None),
+        ("API version (JSON)", f"/api/v1/versions/{ref}", None),
+        ("download, whole file (verified)", f"/api/v1/versions/{ref}/-/files/{fname}", None),
+        ("download, Range 0-99", f"/api/v1/versions/{ref}/-/files/{fname}", {"Range": "bytes=0-99"}),
+    ]
+
+
+def run(root: Path, todo: list[tuple[str, str, dict[str, str] | None]], n: int, port: int, cache: bool) -> float:
+    """Measure every target against a fresh server; returns the model page's p95."""
+    server = start_server(root, port or free_port(), cache)
+    port = int(server.args[server.args.index("--port") + 1])  # type: ignore[index, union-attr]
     try:
-        m0 = models[0]
-        first = reg.variant_summaries(m0)[0]
-        ref = first.ref
-        fname = f"{first.variant}.bin"
-        targets = [
-            (f"model page (HTML, {args.variants} variants)", f"/models/{m0}", None),
-            ("API model table (JSON)", f"/api/v1/models/{m0}/-/table", None),
-            ("API model detail (JSON)", f"/api/v1/models/{m0}", None),
-            ("models index (HTML)", "/", None),
-            ("API models (JSON)", "/api/v1/models", None),
-            ("version page (HTML)", f"/versions/{ref}", None),
-            ("API version (JSON)", f"/api/v1/versions/{ref}", None),
-            ("download, whole file (verified)", f"/api/v1/versions/{ref}/-/files/{fname}", None),
-            ("download, Range 0-99", f"/api/v1/versions/{ref}/-/files/{fname}", {"Range": "bytes=0-99"}),
-        ]
-        print(f"\n{'endpoint':36} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'bytes':>9}   (n={args.requests}, "
-              "sequential, keep-alive, loopback)")
-        results = {}
-        for label, path, headers in targets:
-            lat, _, size = measure(port, path, args.requests, headers=headers)
-            results[label] = lat
-            print(f"{label:36} {statistics.median(lat):8.1f} {pct(lat, 95):8.1f} {max(lat):8.1f} {size:9,}")
-        p95 = pct(results[targets[0][0]], 95)
-        print(f"\nmodel page with {args.variants} variants: p95 {p95:.1f} ms — target < 100 ms: "
-              f"{'met' if p95 < 100 else 'NOT met'}")
+        print(f"\n{'cache on' if cache else 'cache OFF (every response built afresh)'}")
+        print(f"{'endpoint':36} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'bytes':>9}   (n={n}, sequential, "
+              "keep-alive, loopback)")
+        p95s = []
+        for label, path, headers in todo:
+            lat, _, size = measure(port, path, n, headers=headers)
+            p95s.append(pct(lat, 95))
+            print(f"{label:36} {statistics.median(lat):8.1f} {p95s[-1]:8.1f} {max(lat):8.1f} {size:9,}")
+        return p95s[0]
     finally:
         server.terminate()
         server.wait(timeout=30)
-        if args.registry is None:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=int, default=50)
+    ap.add_argument("--variants", type=int, default=200, help="variants per model")
+    ap.add_argument("--requests", type=int, default=200, help="measured requests per endpoint")
+    ap.add_argument("--registry", type=Path, help="registry folder (default: a temp folder, removed); an existing "
+                                                  "bench registry there is reused as it is")
+    ap.add_argument("--fill", choices=("bulk", "api"), default="bulk")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--cache", choices=("both", "on", "off"), default="both",
+                    help="measure with the server's response cache on, off, or both (default)")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="quantyard-web-bench-"))
+    root = args.registry or tmp / "registry"
+    models = [f"bench/model-{k:03d}" for k in range(args.models)]
+    try:
+        if not (root / "registry.db").exists():
+            fill(args, root, tmp, models)
+        reg = open_registry(str(root), create=False)
+        listed = reg.list_models()
+        print(f"registry: {root}  {len(listed)} models, {sum(m.variants for m in listed)} SYNTHETIC variants; "
+              f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
+        todo = targets(reg, models[0])
+        verdicts = []
+        for cache in {"both": (False, True), "on": (True,), "off": (False,)}[args.cache]:
+            p95 = run(root, todo, args.requests, args.port, cache)
+            verdicts.append(f"cache {'on' if cache else 'off'}: p95 {p95:.1f} ms")
+        print(f"\nmodel page target p95 < 100 ms — {'; '.join(verdicts)}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

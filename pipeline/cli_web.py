@@ -32,4 +32,5 @@ def serve(
     token = cfg.web_token.get_secret_value() if cfg.web_token is not None else None
     err_console.print(f"serving {reg.engine.url.render_as_string(hide_password=True)} on "
                       f"http://{host}:{port}/ (writes {'enabled' if token else 'disabled: no QUANTYARD_WEB_TOKEN'})")
-    uvicorn.run(create_app(reg, token=token), host=host, port=port, log_level=log_level)
+    app = create_app(reg, token=token, cache_entries=cfg.web_cache_entries)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

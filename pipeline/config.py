@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     web_token: SecretStr | None = Field(
         default=None, description="Bearer token for the web API's write endpoints (set an alias, change a state). "
                                   "Unset: writes through the web API are disabled (403).")
+    web_cache_entries: int = Field(
+        default=256, ge=0, description="Rendered pages and JSON reads the web server keeps, keyed on the registry's "
+                                       "generation stamp (0: build every response afresh).")
 
     @property
     def work_root(self) -> Path:

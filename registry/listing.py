@@ -106,3 +106,16 @@ def model_views(session: Session, *, architecture: str | None = None, format: st
     return [ModelView(name=m.name, architecture=m.architecture, variants=sum(formats.get(m.id, {}).values()),
                       versions=versions.get(m.id, 0), created_at=m.created_at.isoformat(),
                       formats=sorted(formats.get(m.id, {}))) for m in models]
+
+
+def generation(session: Session) -> str:
+    """A stamp that moves with every write made through the Registry API: registrations, alias moves and
+    state changes (each appends to the audit log), results, source artifacts, new models — the newest id
+    of each table (an index lookup on both backends).
+
+    On SQLite writers are serialized, so the stamp moves on every commit. PostgreSQL may commit sequence
+    values out of order (a transaction holding id 10 commits after one holding 11): a cache keyed on this
+    stamp must also expire its entries after a short time."""
+    stamps = [select(func.max(t.id)).scalar_subquery() for t in (sql.AuditEvent, sql.Result, sql.SourceArtifact,
+                                                                  sql.Model)]
+    return "-".join(str(x or 0) for x in session.execute(select(*stamps)).one())

@@ -467,6 +467,13 @@ class Registry:
         with self._read() as session:
             return model_views(session, architecture=architecture, format=format, query=query)
 
+    def generation(self) -> str:
+        """An opaque stamp that changes whenever anything a listing shows changes (for caches and ETags)."""
+        from registry.listing import generation
+
+        with self._read() as session:
+            return generation(session)
+
     def list_variants(self, model: str, *, format: str | None = None) -> list[VariantView]:
         """Variants of ``model`` with their version numbers, latest version and its state, and aliases."""
         with self._read() as session:

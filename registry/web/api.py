@@ -11,10 +11,12 @@ the token from ``QUANTYARD_WEB_TOKEN``; with no token configured they are disabl
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic_core import to_json
 
 from pipeline.errors import NotFoundError
 from pipeline.specs import VersionState
@@ -28,6 +30,7 @@ from registry.views import (
     VariantSummary,
     VersionView,
 )
+from registry.web.cache import ResponseCache
 from registry.web.commands import download_path
 from registry.web.downloads import file_response
 from registry.web.table import Row, row_from_summary
@@ -94,60 +97,75 @@ def require_token(request: Request, authorization: Annotated[str | None, Header(
 Actor = Annotated[str, Depends(require_token)]
 
 
+def cached_json(request: Request, reg: Registry, value: Callable[[], Any]) -> Response:
+    """``value()`` as JSON (serialized by pydantic-core, no re-validation), through the response cache."""
+    cache: ResponseCache = request.app.state.cache
+    return cache.respond(request, reg, lambda: Response(to_json(value()), media_type="application/json"))
+
+
 @router.get("/models", response_model=list[ModelView])
-def list_models(reg: Reg, q: str | None = None, architecture: str | None = None,
-                format: str | None = None) -> list[ModelView]:
+def list_models(request: Request, reg: Reg, q: str | None = None, architecture: str | None = None,
+                format: str | None = None) -> Response:
     """Models, optionally filtered by a name substring, architecture or format."""
-    return reg.list_models(architecture=architecture or None, format=format or None, query=q or None)
+    return cached_json(request, reg, lambda: reg.list_models(architecture=architecture or None,
+                                                             format=format or None, query=q or None))
 
 
-@router.get("/models/{model:qmodel}", response_model=ModelDetail)
-def get_model(reg: Reg, model: str) -> ModelDetail:
-    """One model and every variant with its latest version (state, aliases, size, bpw, results)."""
+def _model_detail(reg: Registry, model: str) -> ModelDetail:
     variants = reg.variant_summaries(model)  # raises NotFoundError for an unknown model
     found = [m for m in reg.list_models(query=model) if m.name == model]
     if not found:
         raise NotFoundError(f"model {model!r} is not in the registry")
-    return ModelDetail(model=found[0], variants=variants)
+    return ModelDetail.model_construct(model=found[0], variants=variants)
+
+
+@router.get("/models/{model:qmodel}", response_model=ModelDetail)
+def get_model(request: Request, reg: Reg, model: str) -> Response:
+    """One model and every variant with its latest version (state, aliases, size, bpw, results)."""
+    return cached_json(request, reg, lambda: _model_detail(reg, model))
 
 
 @router.get("/models/{model:qmodel}/-/table", response_model=list[Row])
-def model_table(reg: Reg, model: str) -> list[Row]:
+def model_table(request: Request, reg: Reg, model: str) -> Response:
     """The comparison table of a model: the latest version of every variant, metrics on one scale,
     and why a metric is missing."""
-    return [row_from_summary(s) for s in reg.variant_summaries(model)]
+    return cached_json(request, reg, lambda: [row_from_summary(s) for s in reg.variant_summaries(model)])
 
 
 @router.get("/variants/{variant:qvariant}/-/versions", response_model=list[VersionOut])
-def list_versions(reg: Reg, variant: str) -> list[VersionOut]:
+def list_versions(request: Request, reg: Reg, variant: str) -> Response:
     """Every version of ``MODEL/VARIANT``, oldest first."""
     model, _, name = variant.rpartition("/")
-    return [_version_out(v) for v in reg.list_versions(model, name)]
+    return cached_json(request, reg, lambda: [_version_out(v) for v in reg.list_versions(model, name)])
 
 
 @router.get("/versions/{ref:qref}", response_model=VersionOut)
-def get_version(reg: Reg, ref: str) -> VersionOut:
+def get_version(request: Request, reg: Reg, ref: str) -> Response:
     """One version (``@latest`` without a selector)."""
-    return _version_out(reg.get_version(ref))
+    return cached_json(request, reg, lambda: _version_out(reg.get_version(ref)))
 
 
 @router.get("/versions/{ref:qref}/-/results", response_model=list[ResultView])
-def get_results(reg: Reg, ref: str) -> list[ResultView]:
+def get_results(request: Request, reg: Reg, ref: str) -> Response:
     """Evaluation results of a version (quality and speed, per engine), oldest first."""
-    return reg.get_version(ref).results
+    return cached_json(request, reg, lambda: reg.get_version(ref).results)
 
 
 @router.get("/versions/{ref:qref}/-/lineage", response_model=LineageView)
-def get_lineage(reg: Reg, ref: str) -> LineageView:
+def get_lineage(request: Request, reg: Reg, ref: str) -> Response:
     """Where a version's bytes came from: source commit or content hash, tool, parameters, environment."""
-    return reg.lineage(ref)
+    return cached_json(request, reg, lambda: reg.lineage(ref))
+
+
+def _files(reg: Registry, ref: str) -> list[FileLink]:
+    view = reg.get_version(ref)
+    return [FileLink(**f.model_dump(), url=download_path(view.ref, f.name)) for f in view.files]
 
 
 @router.get("/versions/{ref:qref}/-/files", response_model=list[FileLink])
-def list_files(reg: Reg, ref: str) -> list[FileLink]:
+def list_files(request: Request, reg: Reg, ref: str) -> Response:
     """Files of a version with their sha256, size and download path (pinned to the version number)."""
-    view = reg.get_version(ref)
-    return [FileLink(**f.model_dump(), url=download_path(view.ref, f.name)) for f in view.files]
+    return cached_json(request, reg, lambda: _files(reg, ref))
 
 
 DOWNLOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -170,9 +188,10 @@ def download_head(request: Request, reg: Reg, ref: str, name: str) -> Response:
 
 
 @router.get("/audit", response_model=list[AuditView])
-def audit(reg: Reg, model: str | None = None, variant: str | None = None, limit: int = 200) -> list[AuditView]:
+def audit(request: Request, reg: Reg, model: str | None = None, variant: str | None = None,
+          limit: int = 200) -> Response:
     """Newest audit events (registrations, alias moves, state changes)."""
-    return reg.audit_log(model, variant, limit=max(1, min(limit, 1000)))
+    return cached_json(request, reg, lambda: reg.audit_log(model, variant, limit=max(1, min(limit, 1000))))
 
 
 @router.put("/versions/{ref:qref}/-/aliases/{alias}", response_model=VersionOut)

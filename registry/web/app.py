@@ -24,7 +24,8 @@ from pipeline.errors import (
     QuantyardError,
 )
 from registry.store import Registry
-from registry.web.format import human_size, metric_cells, number, path_quote
+from registry.web.cache import ResponseCache
+from registry.web.format import human_size, metric_cells_html, number, path_quote
 
 HERE = Path(__file__).parent
 log = logging.getLogger("quantyard.web")
@@ -104,12 +105,14 @@ def _templates() -> Jinja2Templates:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(size=human_size, num=number, path=path_quote)
-    env.globals.update(cells=metric_cells)
+    env.globals.update(cells_html=metric_cells_html)
     return Jinja2Templates(env=env)
 
 
-def create_app(registry: Registry, *, token: str | None = None) -> FastAPI:
-    """The web listing and API over ``registry``. ``token`` enables the write endpoints."""
+def create_app(registry: Registry, *, token: str | None = None, cache_entries: int = 256,
+               cache_ttl_s: float = 10.0) -> FastAPI:
+    """The web listing and API over ``registry``. ``token`` enables the write endpoints;
+    ``cache_entries=0`` turns the response cache off (see :mod:`registry.web.cache`)."""
     from registry.web import api, pages
 
     app = FastAPI(title="Quantyard registry", version="1", openapi_url="/api/v1/openapi.json",
@@ -117,6 +120,7 @@ def create_app(registry: Registry, *, token: str | None = None) -> FastAPI:
                   description="Browse models and quantized variants, their evaluation results and files.")
     app.state.registry = registry
     app.state.token = token or None
+    app.state.cache = ResponseCache(cache_entries, cache_ttl_s)
     app.state.templates = _templates()
     app.add_exception_handler(QuantyardError, _quantyard_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from html import escape
 from urllib.parse import quote
+
+from markupsafe import Markup
 
 from registry.web.table import METRICS, QUALITY_KEYS, SPEED_KEYS, Row
 
@@ -51,6 +54,16 @@ class Cell:
     value: str  # "" when missing: sorts last
     text: str
     title: str | None = None
+
+
+def metric_cells_html(row: Row) -> Markup:
+    """The metric ``<td>`` cells of a row as HTML. Built here rather than in a template macro because a
+    model page has hundreds of rows × eight cells; every interpolated value is escaped."""
+    out = []
+    for c in metric_cells(row):
+        title = f' title="{escape(c.title)}"' if c.title else ""
+        out.append(f'<td class="{c.css}" data-v="{escape(c.value)}"{title}>{escape(c.text)}</td>')
+    return Markup("".join(out))  # assembled from escaped parts above
 
 
 def metric_cells(row: Row) -> list[Cell]:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
@@ -14,6 +14,7 @@ from pipeline.specs import Ref
 from registry.store import Registry
 from registry.views import ArtifactView, VersionView
 from registry.web.api import registry_of
+from registry.web.cache import ResponseCache
 from registry.web.chart import build_chart, format_colours
 from registry.web.commands import commands, download_path
 from registry.web.table import METRICS, Row, row_from_summary, row_from_version, sort_rows
@@ -28,13 +29,23 @@ def templates(request: Request) -> Jinja2Templates:
     return request.app.state.templates  # type: ignore[no-any-return]
 
 
+def cached(request: Request, reg: Registry, build: Callable[[], Response]) -> Response:
+    cache: ResponseCache = request.app.state.cache
+    return cache.respond(request, reg, build)
+
+
 def render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
     return templates(request).TemplateResponse(request, name, context, status_code=status)
 
 
 @router.get("/", response_class=HTMLResponse)
 def index(request: Request, reg: Reg, q: str | None = None, architecture: str | None = None,
-          format: str | None = None) -> HTMLResponse:
+          format: str | None = None) -> Response:
+    return cached(request, reg, lambda: _index(request, reg, q, architecture, format))
+
+
+def _index(request: Request, reg: Registry, q: str | None, architecture: str | None,
+           format: str | None) -> HTMLResponse:
     everything = reg.list_models()
     shown = reg.list_models(architecture=architecture or None, format=format or None, query=q or None) \
         if (q or architecture or format) else everything
@@ -46,9 +57,14 @@ def index(request: Request, reg: Reg, q: str | None = None, architecture: str | 
 
 @router.get("/models/{model:qmodel}", response_class=HTMLResponse)
 def model_page(request: Request, reg: Reg, model: str, sort: str | None = None, dir: str = "asc",
-               format: str | None = None) -> HTMLResponse:
+               format: str | None = None) -> Response:
     sort = sort if sort in SORT_KEYS else None
     dir = "desc" if dir == "desc" else "asc"
+    return cached(request, reg, lambda: _model_page(request, reg, model, sort, dir, format))
+
+
+def _model_page(request: Request, reg: Registry, model: str, sort: str | None, dir: str,
+                format: str | None) -> HTMLResponse:
     summaries = reg.variant_summaries(model)
     all_rows = [row_from_summary(s) for s in summaries]
     rows = [r for r in all_rows if not format or r.format == format]
@@ -74,7 +90,11 @@ def _eval_artifacts(reg: Registry, versions: Sequence[VersionView]) -> dict[str,
 
 
 @router.get("/versions/{ref:qref}", response_class=HTMLResponse)
-def version_page(request: Request, reg: Reg, ref: str) -> HTMLResponse:
+def version_page(request: Request, reg: Reg, ref: str) -> Response:
+    return cached(request, reg, lambda: _version_page(request, reg, ref))
+
+
+def _version_page(request: Request, reg: Registry, ref: str) -> HTMLResponse:
     view = reg.get_version(ref)
     history = reg.list_versions(view.model, view.variant)
     aliases = reg.aliases(view.model, view.variant)
@@ -100,7 +120,11 @@ def api_reference(request: Request) -> HTMLResponse:
 
 
 @router.get("/compare", response_class=HTMLResponse)
-def compare_page(request: Request, reg: Reg, ref: Annotated[list[str] | None, Query()] = None) -> HTMLResponse:
+def compare_page(request: Request, reg: Reg, ref: Annotated[list[str] | None, Query()] = None) -> Response:
+    return cached(request, reg, lambda: _compare_page(request, reg, ref))
+
+
+def _compare_page(request: Request, reg: Registry, ref: list[str] | None) -> HTMLResponse:
     refs = list(dict.fromkeys(r.strip() for r in (ref or []) if r.strip()))
     if not 2 <= len(refs) <= MAX_COMPARE:
         raise InvalidReferenceError(f"compare needs 2 to {MAX_COMPARE} different variants, got {len(refs)}",

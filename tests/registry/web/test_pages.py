@@ -4,6 +4,7 @@ version page, compare page, autoescaping of every user-supplied string, and no e
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -108,3 +109,28 @@ def test_pages_use_only_local_assets(small_server: str, path: str) -> None:
     assert "<script>" not in r.text  # no inline script: the CSP forbids it
     for asset in ("/static/app.js", "/static/style.css", "/static/favicon.svg"):
         assert HTTP.get(small_server + asset).status_code == 200
+
+
+def test_cache_follows_every_write_and_revalidates(small_registry: Path) -> None:
+    from registry import open_registry
+    from tests.registry.web.server import serving
+
+    reg = open_registry(str(small_registry), create=False)
+    with serving(str(small_registry), token="t") as base:
+        table = f"{base}/api/v1/models/acme/tiny/-/table"
+        first = HTTP.get(table)
+        etag = first.headers["etag"]
+        assert etag.startswith('W/"') and HTTP.get(table).headers["etag"] == etag  # served from the cache
+        assert HTTP.get(table, headers={"If-None-Match": etag}).status_code == 304
+        page = HTTP.get(f"{base}/models/acme/tiny")
+        assert HTTP.get(f"{base}/models/acme/tiny", headers={"If-None-Match": page.headers["etag"]}).status_code == 304
+        # A write through the API, then writes by another client straight into the registry.
+        HTTP.put(f"{base}/api/v1/versions/acme/tiny/F16@1/-/aliases/edge", headers={"Authorization": "Bearer t"})
+        assert {r["variant"]: r for r in HTTP.get(table).json()}["F16"]["aliases"] == {"edge": 1, "latest": 1}
+        reg.add_result("acme/tiny/F16@1", {"kind": "quality", "engine": "llama.cpp", "status": "ok",
+                                           "metrics": {"ppl": 10.5, "kld_mean": 0.25}, "window_set_id": "ab" * 32})
+        assert {r["variant"]: r for r in HTTP.get(table).json()}["F16"]["kld"] == 0.25
+        assert ">2.500e-01</td>" in HTTP.get(f"{base}/models/acme/tiny").text
+        reg.set_state("acme/tiny/F16@1", "rejected")
+        assert 'class="state state-rejected">rejected' in HTTP.get(f"{base}/models/acme/tiny").text
+        assert HTTP.get(table, headers={"If-None-Match": etag}).status_code == 200  # the old ETag is stale
