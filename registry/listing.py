@@ -96,13 +96,14 @@ def model_views(session: Session, *, architecture: str | None = None, format: st
         pattern = "%" + query.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         stmt = stmt.where(func.lower(sql.Model.name).like(pattern, escape="\\"))
     models = list(session.scalars(stmt))
+    only = [sql.Variant.model_id.in_([m.id for m in models])] if architecture or format or query else []
     formats: dict[int, dict[str, int]] = {}
     for model_id, fmt, n in session.execute(select(sql.Variant.model_id, sql.Variant.format, func.count())
-                                            .group_by(sql.Variant.model_id, sql.Variant.format)):
+                                            .where(*only).group_by(sql.Variant.model_id, sql.Variant.format)):
         formats.setdefault(model_id, {})[fmt] = n
     versions = dict(session.execute(select(sql.Variant.model_id, func.count(sql.Version.id))
                                     .join(sql.Version, sql.Version.variant_id == sql.Variant.id)
-                                    .group_by(sql.Variant.model_id)).all())
+                                    .where(*only).group_by(sql.Variant.model_id)).all())
     return [ModelView(name=m.name, architecture=m.architecture, variants=sum(formats.get(m.id, {}).values()),
                       versions=versions.get(m.id, 0), created_at=m.created_at.isoformat(),
                       formats=sorted(formats.get(m.id, {}))) for m in models]

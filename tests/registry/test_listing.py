@@ -78,3 +78,27 @@ def test_listing_query_count_is_constant(tmp_path: Path, registry_path: Path) ->
         reg.register_version(request(tmp_path, name=f"V{i}", key=f"k{i}", data=f"v{i}".encode()))
     assert _count_queries(reg, lambda: reg.variant_summaries("demo")) == small <= 7
     assert _count_queries(reg, reg.list_models) == models_small <= 4
+
+
+def test_generation_moves_with_every_write(tmp_path: Path, backend: Backend) -> None:
+    reg = backend.open()
+    seen = [reg.generation()]
+
+    def moved() -> bool:
+        seen.append(reg.generation())
+        return seen[-1] != seen[-2]
+
+    v = reg.register_version(request(tmp_path))
+    assert moved()
+    assert not moved()  # reads leave it alone
+    reg.add_result(v.ref, {"kind": "quality", "engine": "e", "status": "ok", "metrics": {}})
+    assert moved()
+    reg.set_alias(v.ref, "production")
+    assert moved()
+    reg.set_state(v.ref, "validated")
+    assert moved()
+    reg.delete_alias("demo", "Q8_0", "production")
+    assert moved()
+    reg.register_version(request(tmp_path))  # the same build key: nothing registered
+    assert not moved()
+    assert len(set(seen)) == 6

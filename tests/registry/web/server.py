@@ -15,9 +15,9 @@ from tests.registry.servers import free_port
 
 
 @contextmanager
-def serving(location: str, token: str | None = None) -> Iterator[str]:
+def serving(location: str, token: str | None = None, blobs: str | None = None) -> Iterator[str]:
     """Serve the registry at ``location``; yields the base URL (``http://127.0.0.1:PORT``)."""
-    app = create_app(open_registry(location, create=False), token=token)
+    app = create_app(open_registry(location, blobs=blobs, create=False), token=token)
     config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from registry import open_registry
-from tests.registry.helpers import flip_byte
+from tests.registry.conftest import Backend
+from tests.registry.helpers import flip_byte, request
 from tests.registry.web.conftest import VARIANTS
 from tests.registry.web.server import serving
 
@@ -263,3 +264,20 @@ def test_corrupt_blob_is_never_served_complete(small_registry: Path) -> None:
         # A Range read cannot be hashed; it is served by length (documented), so the flipped byte shows.
         part = HTTP.get(url(base, Q8, Q8_FILE), headers={"Range": "bytes=0-99"})
         assert part.status_code == 206 and part.content == Q8_BYTES[:100]
+
+
+def test_api_on_each_backend(tmp_path: Path, backend: Backend) -> None:
+    """The same reads and a download on SQLite and on a real PostgreSQL server (blobs in a folder)."""
+    reg = backend.open()
+    v = reg.register_version(request(tmp_path, data=b"pg-bytes" * 300))
+    reg.add_result(v.ref, {"kind": "quality", "engine": "llama.cpp", "status": "ok", "window_set_id": "w",
+                           "metrics": {"ppl": 12.0, "kld_mean": 0.02, "top1_agreement": 0.9}})
+    with serving(backend.location, blobs=backend.blobs) as base:
+        (row,) = HTTP.get(f"{base}/api/v1/models/demo/-/table").json()
+        assert (row["ref"], row["kld"], row["top1_pct"]) == ("demo/Q8_0@1", 0.02, 90.0)
+        r = HTTP.get(url(base, "demo/Q8_0@1", "demo-Q8_0.gguf"), headers={"Range": "bytes=-8"})
+        assert r.status_code == 206 and r.content == b"pg-bytes"
+        assert HTTP.get(url(base, "demo/Q8_0@1", "demo-Q8_0.gguf")).content == b"pg-bytes" * 300
+        reg.add_result(v.ref, {"kind": "speed", "engine": "llama.cpp", "status": "ok",
+                               "metrics": {"decode_tok_per_s": 42.0}})
+        assert HTTP.get(f"{base}/api/v1/models/demo/-/table").json()[0]["tg_tok_s"] == 42.0  # cache invalidated
