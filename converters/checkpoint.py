@@ -71,6 +71,12 @@ class Checkpoint:
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.weight_files)
 
+    def n_elements_of(self, name: str) -> int:
+        n = 1
+        for d in self.tensors[name].shape:
+            n *= d
+        return n
+
     @property
     def n_params(self) -> int:
         total = 0
@@ -233,12 +239,53 @@ def _check_shapes(ckpt: Checkpoint) -> None:
             hint="the checkpoint is incomplete; download every shard")
 
 
+def scan_nonfinite(ckpt: Checkpoint, chunk_elements: int = 1 << 25) -> None:
+    """Read every floating-point tensor (in row chunks, bounded memory) and refuse NaN or Inf values.
+
+    A checkpoint with non-finite weights converts "successfully" into garbage quants, so this runs
+    before any conversion. It reads the weights once; the OS page cache then serves the converter.
+    """
+    import torch
+    from safetensors import safe_open
+
+    for f in ckpt.weight_files:
+        if f.suffix != ".safetensors":
+            continue
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                info = ckpt.tensors.get(name)
+                if info is None or not info.dtype.startswith(("F", "BF")) or info.dtype.startswith("F8"):
+                    continue
+                sl = st.get_slice(name)
+                rows = info.shape[0] if info.shape else 1
+                per_row = max(1, (ckpt.n_elements_of(name) // max(rows, 1)))
+                step = max(1, chunk_elements // per_row)
+                for r in range(0, rows, step):
+                    block = sl[r:r + step] if info.shape else sl[:]
+                    if not bool(torch.isfinite(block).all()):
+                        bad = int((~torch.isfinite(block)).sum())
+                        raise InvalidCheckpointError(
+                            f"tensor {name} in {f.name} holds {bad} NaN/Inf values (rows {r}..{r + step - 1})",
+                            hint="the weights are corrupt or were saved after a diverged run; fix the checkpoint")
+
+
+def _check_tokenizer(path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as exc:  # transformers raises many types for broken tokenizer files
+        raise InvalidCheckpointError(f"the tokenizer in {path} cannot be loaded: {type(exc).__name__}: {exc}",
+                                     hint="re-save it with tokenizer.save_pretrained()") from exc
+
+
 def _tied(name: str, config: Any) -> bool:
     return name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False))
 
 
 def load_checkpoint(path: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False,
-                    allowed_roots: tuple[Path, ...] = (), check_shapes: bool = True) -> Checkpoint:
+                    allowed_roots: tuple[Path, ...] = (), check_shapes: bool = True,
+                    scan_values: bool = True) -> Checkpoint:
     """Validate ``path`` as a causal-LM checkpoint and return its description.
 
     Raises:
@@ -281,6 +328,9 @@ def load_checkpoint(path: Path, *, allow_pickle: bool = False, trust_remote_code
             ckpt.tensors.update(read_safetensors_header(f))
     if check_shapes:
         _check_shapes(ckpt)
+        _check_tokenizer(path)
+    if scan_values:
+        scan_nonfinite(ckpt)
     return ckpt
 
 

@@ -126,11 +126,11 @@ class GGUFConverter:
         return prepared
 
     def _convert(self, ctx: BuildContext, base_type: str, dest: Path) -> None:
-        need = int(ctx.checkpoint.n_params * 2 * 1.05) + (64 << 20)
+        need = int(ctx.checkpoint.n_params * 2 * 1.05) + (ctx.settings.disk_headroom_mb << 20)
         free = shutil.disk_usage(dest.parent).free
         if need > free:
             raise DiskFullError(dest.parent, needed=need, free=free)
-        tmp = dest.with_name(dest.name + ".incomplete")
+        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.incomplete")  # unique: concurrent runs never clash
         cmd = [self.python, str(self.tools_dir / "convert_hf_to_gguf.py"), str(ctx.checkpoint.path),
                "--outfile", str(tmp), "--outtype", base_type.lower(), "--model-name", ctx.file_stem]
         env = child_env(pythonpath=[self.tools_dir / "gguf-py", self.tools_dir])
@@ -163,7 +163,7 @@ class GGUFConverter:
                             events=events, info=info)
 
     def _quantize(self, ctx: BuildContext, base: Path, out: Path, spec: GGUFSpec, prepared: Prepared) -> None:
-        need = base.stat().st_size + (64 << 20)
+        need = base.stat().st_size + (ctx.settings.disk_headroom_mb << 20)
         free = shutil.disk_usage(out.parent).free
         if need > free:
             raise DiskFullError(out.parent, needed=need, free=free)

@@ -35,7 +35,7 @@ def _reader(path: Path) -> Any:
     try:
         return GGUFReader(str(path))
     except (ValueError, IndexError, OSError, KeyError) as exc:
-        _fail(path, f"cannot parse the GGUF structure ({type(exc).__name__}: {exc})")
+        _fail(path, f"cannot parse the GGUF structure: the file is truncated or corrupt ({type(exc).__name__}: {exc})")
     raise AssertionError("unreachable")
 
 
@@ -44,8 +44,11 @@ def _field(reader: Any, name: str) -> Any:
     return None if f is None else f.contents()
 
 
-def gguf_sanity(path: Path, *, first_part: bool = True) -> dict[str, Any]:
-    """Check one GGUF file (or one part of a split GGUF); returns a summary of what was checked."""
+def gguf_structure(path: Path) -> Any:
+    """Can this be read as GGUF at all? Magic, header, and every tensor's data inside the file.
+
+    Returns the gguf-py reader. Raises InvalidArtifactError for a file that is not (or no longer) a GGUF.
+    """
     size = path.stat().st_size
     reader = _reader(path)
     for t in reader.tensors:
@@ -53,7 +56,13 @@ def gguf_sanity(path: Path, *, first_part: bool = True) -> dict[str, Any]:
         if end > size:
             _fail(path, f"tensor {t.name} ends at byte {end} but the file has {size} bytes (truncated)",
                   hint="re-download or re-create the file")
-    summary: dict[str, Any] = {"tensors": len(reader.tensors), "size": size}
+    return reader
+
+
+def gguf_sanity(path: Path, *, first_part: bool = True) -> dict[str, Any]:
+    """Check one GGUF file (or one part of a split GGUF); returns a summary of what was checked."""
+    reader = gguf_structure(path)
+    summary: dict[str, Any] = {"tensors": len(reader.tensors), "size": path.stat().st_size}
     if not first_part:
         return summary
     arch = _field(reader, "general.architecture")

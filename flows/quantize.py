@@ -9,9 +9,9 @@ engine) is recorded and the others go on.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from prefect import flow
@@ -27,7 +27,7 @@ from flows.tasks import (
     window_set_task,
 )
 from pipeline.config import Settings
-from pipeline.errors import QuantyardError
+from pipeline.errors import DiskFullError, QuantyardError
 from pipeline.plan import Plan
 from pipeline.progress import stage
 from pipeline.results import ConvertReport, VariantOutcome, table_rows
@@ -63,7 +63,8 @@ def _plan_builds(plan: Plan, settings: Settings, resolved: steps.Resolved, repor
 
 def _build_all(plan: Plan, settings: Settings, resolved: steps.Resolved, report: ConvertReport,
                outcomes: dict[str, VariantOutcome], todo: dict[str, list[tuple[Any, str]]]) -> None:
-    staging = settings.work_root / "staging" / uuid.uuid4().hex
+    staging_tmp = steps.scratch_dir(settings, "staging")
+    staging = Path(staging_tmp.name)
     try:
         for fmt, items in todo.items():
             with _timed(report, f"prepare:{fmt}"), stage("prepare", fmt):
@@ -76,6 +77,8 @@ def _build_all(plan: Plan, settings: Settings, resolved: steps.Resolved, report:
                         built = build_task(fmt, plan, resolved, prepared, spec, settings, staging)
                     with _timed(report, "register"), stage("register", spec.name):
                         view = register_task(settings, resolved, spec, built, key, plan.force)
+                except DiskFullError:
+                    raise  # no later variant can succeed either: stop with the clear error
                 except QuantyardError as exc:
                     out.status, out.error, out.error_type = "failed", exc.message, type(exc).__name__
                     report.events.append(f"failed:{spec.name}")
@@ -85,7 +88,7 @@ def _build_all(plan: Plan, settings: Settings, resolved: steps.Resolved, report:
                 out.status = "registered" if view.created else "reused"
                 out.events, out.bpw = list(built.events), built.info.get("bpw")
     finally:
-        steps.cleanup(staging)
+        staging_tmp.cleanup()
 
 
 def _evaluate_all(plan: Plan, settings: Settings, resolved: steps.Resolved, report: ConvertReport,
@@ -157,6 +160,7 @@ def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
 
     t0 = time.perf_counter()
     open_registry(settings)  # a bad registry location fails before any work is done
+    steps.sweep_stale(settings)
     with stage("resolve", plan.source.source):
         resolved = resolve_task(plan, settings)
     src = resolved.source

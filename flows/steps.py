@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import shutil
 import sys
@@ -198,7 +199,7 @@ def ensure_window_set(settings: Settings, resolved: Resolved, spec: EvalSpec) ->
         return reg.artifact_path(found), found.meta, False
     ws = build_window_set(resolved.checkpoint.path, text, window=spec.window, stride=spec.stride,
                           max_windows=spec.max_windows)
-    with tempfile.TemporaryDirectory(dir=_tmp_root(settings)) as tmp:
+    with scratch_dir(settings) as tmp:
         path = Path(tmp) / "windows.npz"
         ws.save(path)
         meta = {**ws.meta(), "origin": origin}
@@ -216,7 +217,7 @@ def ensure_reference(settings: Settings, resolved: Resolved, windows: Path, ws_m
     found = reg.find_source_artifact(resolved.source, "reference", key)
     if found is not None:
         return reg.artifact_path(found), found.meta, False
-    with tempfile.TemporaryDirectory(dir=_tmp_root(settings)) as tmp:
+    with scratch_dir(settings) as tmp:
         out, summary = run_reference(resolved.checkpoint.path, windows, Path(tmp) / "ref", spec, settings)
         assert out.arrays is not None
         art = reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
@@ -230,6 +231,44 @@ def _tmp_root(settings: Settings) -> Path:
     root = settings.work_root / "tmp"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def scratch_dir(settings: Settings, kind: str = "tmp") -> tempfile.TemporaryDirectory[str]:
+    """A temporary folder under the work dir, named after this process so that a later run can tell
+    the leftovers of a killed run (dead pid) from those of a run still going (see sweep_stale)."""
+    root = settings.work_root / kind
+    root.mkdir(parents=True, exist_ok=True)
+    return tempfile.TemporaryDirectory(prefix=f"{os.getpid()}-", dir=root)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(settings: Settings) -> list[Path]:
+    """Remove scratch folders and partial files left by killed runs (their pid is gone)."""
+    removed = []
+    for kind in ("tmp", "staging"):
+        root = settings.work_root / kind
+        if not root.is_dir():
+            continue
+        for entry in root.iterdir():
+            pid = entry.name.split("-", 1)[0]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    for partial in settings.work_root.glob("*/*/*.incomplete"):  # e.g. gguf-base/<key>/x.gguf.<pid>.incomplete
+        pid = partial.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            partial.unlink(missing_ok=True)
+            removed.append(partial)
+    return removed
 
 
 def has_quality_result(version: VersionView, engine: str, window_set_id: str) -> bool:
@@ -247,7 +286,7 @@ def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_m
     version = reg.get_version(ref)
     engine = DEFAULT_ENGINE[fmt]
     evaluator = get_evaluator(engine)
-    with tempfile.TemporaryDirectory(dir=_tmp_root(settings)) as tmp:
+    with scratch_dir(settings) as tmp:
         model_dir = Path(tmp) / "model"
         files = reg.link_files(ref, model_dir)
         model = model_path(fmt, files, model_dir)

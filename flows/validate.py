@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from converters.sanity import awq_sanity, gguf_sanity
+from converters.sanity import awq_sanity, gguf_sanity, gguf_structure
 from flows import steps
 from pipeline.checks import CheckFailed, CheckSkipped, ValidationReport
 from pipeline.config import Settings
@@ -88,6 +87,15 @@ def _plain_spec(fmt: str, path: Path) -> tuple[str, dict[str, Any]]:
     return "AWQ", {"bits": int(qc.get("bits", 4))}
 
 
+def check_structure(fmt: str, path: Path) -> None:
+    """A plain target that cannot even be read as its format is bad input (exit 2), not a failed check."""
+    if fmt == "gguf":
+        for part in ([path] if path.is_file() else sorted(path.glob("*.gguf"))):
+            gguf_structure(part)
+    elif fmt == "awq":
+        awq_sanity(path)
+
+
 def split_source(text: str | None) -> tuple[str | None, str | None]:
     """``OWNER/NAME@REVISION`` → (hub id, revision); a path or a bare id → (text, None)."""
     if not text or Path(text).expanduser().exists() or "@" not in text:
@@ -100,6 +108,7 @@ def resolve_target(text: str, settings: Settings, opts: ValidateOptions, work: P
     path = Path(text).expanduser()
     if path.exists():
         fmt = detect_format(path)
+        check_structure(fmt, path)
         variant, spec = _plain_spec(fmt, path)
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
         model = path if fmt != "gguf" or path.is_file() else sorted(path.glob("*.gguf"))[0]
@@ -340,7 +349,7 @@ def check_reproducibility(target: Target, settings: Settings, work: Path) -> tup
 
 def validate(target_text: str, settings: Settings, opts: ValidateOptions) -> ValidationReport:
     """Run every check on one target. Raises typed errors (exit 2) only for unusable input."""
-    with tempfile.TemporaryDirectory(dir=steps._tmp_root(settings)) as tmp:
+    with steps.scratch_dir(settings) as tmp:
         work = Path(tmp)
         target = resolve_target(target_text, settings, opts, work)
         report = ValidationReport(target=target.label, context={"format": target.fmt, "variant": target.variant})

@@ -55,6 +55,8 @@ class Settings(BaseSettings):
     core_python: str = Field(default=sys.executable,
                              description="Interpreter that runs the converter and llama.cpp subprocesses.")
     engine_timeout_s: float = Field(default=6 * 3600, gt=0)
+    disk_headroom_mb: int = Field(default=64, ge=0,
+                                  description="Free space kept in reserve when checking a write will fit.")
     convert_timeout_s: float = Field(default=24 * 3600, gt=0)
     web_token: SecretStr | None = Field(
         default=None, description="Bearer token for the web API's write endpoints (set an alias, change a state). "

@@ -9,9 +9,11 @@ messages. Signals, out-of-memory kills and non-zero exits become a
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +21,17 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TAIL_BYTES = 6000
+_PR_SET_PDEATHSIG = 1
+
+# Looked up before any fork: the child only makes the call (no allocation, no import).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask the kernel to SIGKILL us when our parent dies, so a crashed or
+    killed flow never leaves converters or engines running (and writing) behind it."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -92,7 +105,7 @@ def run_logged(cmd: Sequence[str], *, log_dir: Path, name: str, timeout_s: float
         proc = subprocess.Popen(
             list(cmd), stdout=out, stderr=err, env=dict(env) if env is not None else None,
             stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
-            cwd=cwd, start_new_session=True,
+            cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent,
         )
         try:
             proc.communicate(stdin_text.encode() if stdin_text is not None else None, timeout=timeout_s)

@@ -34,7 +34,7 @@ from sqlalchemy.exc import IntegrityError as SAIntegrityError
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
-from pipeline.errors import IllegalTransitionError, InvalidReferenceError, NotFoundError, RegistryError
+from pipeline.errors import DiskFullError, IllegalTransitionError, InvalidReferenceError, NotFoundError, RegistryError
 from pipeline.specs import VERSION_TRANSITIONS, Ref, VersionState, validate_model_name
 from registry import sql
 from registry.blobs import BlobStore, StoredBlob
@@ -111,11 +111,18 @@ class Registry:
     def _write(self, gc_lock: str = "shared") -> Iterator[Session]:
         """A write transaction. SQLite: BEGIN IMMEDIATE takes the one write lock up front. PostgreSQL:
         writers share an advisory lock that ``gc`` takes exclusively while it deletes blobs."""
-        with Session(self._write_engine, expire_on_commit=False) as session, session.begin():
-            if self.is_postgres:
-                fn = "pg_advisory_xact_lock" if gc_lock == "exclusive" else "pg_advisory_xact_lock_shared"
-                session.execute(text(f"SELECT {fn}(:key)"), {"key": GC_LOCK_KEY})
-            yield session
+        try:
+            with Session(self._write_engine, expire_on_commit=False) as session, session.begin():
+                if self.is_postgres:
+                    fn = "pg_advisory_xact_lock" if gc_lock == "exclusive" else "pg_advisory_xact_lock_shared"
+                    session.execute(text(f"SELECT {fn}(:key)"), {"key": GC_LOCK_KEY})
+                yield session
+        except OperationalError as exc:
+            # SQLite says "database or disk is full"; PostgreSQL "could not extend file ... No space left".
+            text_ = str(exc.orig) if exc.orig is not None else str(exc)
+            if "disk is full" in text_ or "No space left" in text_:
+                raise DiskFullError(self.location) from exc
+            raise
 
     @staticmethod
     def _retry(fn: Callable[[], T]) -> T:

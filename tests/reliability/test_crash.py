@@ -1,0 +1,134 @@
+"""SIGKILL `quantyard convert` at several points; re-running completes, reuses every finished step, and the
+registry verifies clean. The CLI runs as a real subprocess; children die with it (PR_SET_PDEATHSIG)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from registry import open_registry
+
+TYPES = "Q8_0,Q4_K_M"
+OUR_CHILDREN = (b"convert_hf_to_gguf.py", b"converters.workers", b"evaluators.runners")
+
+
+def _children_matching(marker: bytes, tag: str) -> list[int]:
+    pids = []
+    for pid in _tagged(tag):
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+        except OSError:
+            continue
+    return pids
+
+
+def _tagged(tag: str) -> list[int]:
+    """Processes whose environment carries this test's tag (the CLI and everything it started)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"QUANTYARD_TEST_TAG={tag}".encode() in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"QUANTYARD_WORK_DIR": str(tmp / "work"), "QUANTYARD_THREADS": "2", "QUANTYARD_TEST_TAG": tmp.name,
+                "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PREFECT_LOGGING_LEVEL": "INFO"})
+    return env
+
+
+def _cmd(demo: Path, registry: Path) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", "convert", str(demo), "--gguf", TYPES, "--name", "demo",
+            "--registry", str(registry), "--max-windows", "6", "--no-speed", "--json"]
+
+
+def _run_and_kill(cmd: list[str], env: dict[str, str], *, child: bytes | None = None,
+                  log_line: str | None = None, timeout: float = 900) -> str:
+    """Start the CLI; SIGKILL it as soon as ``child`` runs or ``log_line`` is logged. Returns the output."""
+    log = Path(env["QUANTYARD_WORK_DIR"]).parent / f"kill-{time.time_ns()}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            hit = (child is not None and _children_matching(child, env["QUANTYARD_TEST_TAG"])) or \
+                  (log_line is not None and log_line in log.read_text(errors="replace"))
+            if hit:
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.01)
+        proc.wait()
+    text = log.read_text(errors="replace")
+    assert proc.returncode == -signal.SIGKILL, f"the run was not killed at the intended point:\n{text[-3000:]}"
+    time.sleep(1.0)
+    tag = env["QUANTYARD_TEST_TAG"]
+    ours = [m for m in OUR_CHILDREN if _children_matching(m, tag)]
+    assert not ours, f"children outlived the killed flow: {ours}"
+    return text
+
+
+def _complete(cmd: list[str], env: dict[str, str]) -> dict:
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def _verify(registry: Path, env: dict[str, str]) -> None:
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "registry", "verify", "--deep", "--registry",
+                          str(registry)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.fixture
+def reap(tmp_path: Path):
+    """Prefect's embedded server outlives a SIGKILLed client (it is Prefect's process, not ours): reap it."""
+    yield
+    for pid in _tagged(tmp_path.name):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_kill_at_each_stage_then_resume(tmp_path: Path, demo_model: Path, reap: None) -> None:
+    registry = tmp_path / "registry"
+    env = _env(tmp_path)
+    cmd = _cmd(demo_model, registry)
+
+    # 1. during the F16 conversion: nothing is registered
+    _run_and_kill(cmd, env, child=b"convert_hf_to_gguf.py")
+    assert not (registry / "registry.db").exists() or open_registry(str(registry)).list_models() == []
+
+    # 2. during quantization of the second type: the first is registered, the base is cached
+    _run_and_kill(cmd, env, child=b"converters.workers.llama_quantize")
+    # 3. during registration: the register task starts as soon as the build task has finished
+    _run_and_kill(cmd, env, log_line="Task run 'build-Q4_K_M' - Finished")
+    # 4. during evaluation
+    _run_and_kill(cmd, env, child=b"evaluators.runners.llamacpp")
+
+    report = _complete(cmd, env)
+    events = report["events"]
+    assert "convert_base" not in events, events  # the base survived the kills
+    variants = {v["variant"]: v for v in report["variants"]}
+    assert all(v["eval_status"] in ("ok", "reused") for v in variants.values()), variants
+    versions = {v.name: v.versions for v in open_registry(str(registry)).list_variants("demo")}
+    assert versions == {"Q8_0": [1], "Q4_K_M": [1]}, versions
+    _verify(registry, env)
+
+    # a final re-run recomputes nothing at all
+    again = _complete(cmd, env)
+    assert [e for e in again["events"] if not e.startswith("reuse:")] == []
+    leftovers = [p for p in (tmp_path / "work").rglob("*") if p.name.endswith(".incomplete")]
+    assert not leftovers and not any((tmp_path / "work" / "staging").iterdir())

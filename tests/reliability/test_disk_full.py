@@ -1,0 +1,66 @@
+"""Full disks: a conversion whose registry and work folders sit on a small real tmpfs ends with a clear
+DiskFullError naming the path and the space needed, registers nothing half-way, and leaves no temp files.
+Mounting a tmpfs needs root (CI runs as root); elsewhere these tests skip and say so."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import DiskFullError
+from registry.blobs import LocalBlobStore
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; run the suite as root (CI does) to exercise full disks")
+    size_mb = 40
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _incomplete(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith(".incomplete")]
+
+
+def test_blob_write_hitting_enospc_leaves_nothing(small_fs: Path) -> None:
+    """A real ENOSPC in the middle of a streamed write (no size known up front)."""
+    store = LocalBlobStore(small_fs / "blobs")
+    with pytest.raises(DiskFullError) as info:
+        store._put_stream(io.BytesIO(os.urandom(1 << 20) * 64))  # 64 MiB into a 40 MiB filesystem
+    assert str(small_fs / "blobs") in str(info.value)
+    assert not _incomplete(small_fs) and not list(store.list_digests())
+
+
+def test_convert_on_a_full_disk(small_fs: Path, demo_model: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, QUANTYARD_WORK_DIR=str(small_fs / "work"), QUANTYARD_DISK_HEADROOM_MB="8",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    registry = small_fs / "registry"
+    cmd = [sys.executable, "-m", "pipeline.cli", "convert", str(demo_model), "--gguf", "Q8_0,Q6_K,Q5_K_M,Q4_K_M",
+           "--name", "demo", "--registry", str(registry), "--no-eval"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    assert "DiskFullError" in text and "MB" in text and str(small_fs) in text, text[-3000:]
+    assert "needed" in text
+    assert not _incomplete(small_fs), _incomplete(small_fs)
+    staging = small_fs / "work" / "staging"
+    assert not staging.exists() or not any(staging.iterdir())
+    verify = subprocess.run([sys.executable, "-m", "pipeline.cli", "registry", "verify", "--deep", "--registry",
+                             str(registry)], env=env, capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
