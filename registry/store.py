@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from pipeline.errors import DiskFullError, IllegalTransitionError, InvalidReferenceError, NotFoundError, RegistryError
 from pipeline.specs import VERSION_TRANSITIONS, Ref, VersionState, validate_model_name
-from registry import sql
+from registry import listing, sql
 from registry.blobs import BlobStore, StoredBlob
 from registry.rows import artifact_view, derive_inputs, safe_join, version_loads, version_view
 from registry.views import (
@@ -469,17 +469,13 @@ class Registry:
                     query: str | None = None) -> list[ModelView]:
         """Models, by name; optionally only those of one architecture, with a variant of one format, or
         whose name contains ``query`` (case-insensitive). Aggregate queries, whatever the registry's size."""
-        from registry.listing import model_views
-
         with self._read() as session:
-            return model_views(session, architecture=architecture, format=format, query=query)
+            return listing.model_views(session, architecture=architecture, format=format, query=query)
 
     def generation(self) -> str:
         """An opaque stamp that changes whenever anything a listing shows changes (for caches and ETags)."""
-        from registry.listing import generation
-
         with self._read() as session:
-            return generation(session)
+            return listing.generation(session)
 
     def list_variants(self, model: str, *, format: str | None = None) -> list[VariantView]:
         """Variants of ``model`` with their version numbers, latest version and its state, and aliases."""
@@ -504,12 +500,9 @@ class Registry:
             return out
 
     def variant_summaries(self, model: str, *, format: str | None = None) -> list[VariantSummary]:
-        """Every variant of ``model`` with its ``latest`` version's state, aliases, file totals, bpw, source
-        and results, in a fixed number of queries (listings, web pages). Raises NotFoundError."""
-        from registry.listing import variant_summaries
-
+        """Every variant of ``model`` with its latest version, in a fixed number of queries. Raises NotFoundError."""
         with self._read() as session:
-            return variant_summaries(session, self._model(session, model), format=format)
+            return listing.variant_summaries(session, self._model(session, model), format=format)
 
     def list_versions(self, model: str, variant: str) -> list[VersionView]:
         """Every version of ``model/variant``, oldest first, with files, results, aliases and lineage edges."""
