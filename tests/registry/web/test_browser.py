@@ -49,7 +49,7 @@ def test_model_page_sort_open_download(browser: Any, demo_registry: Path, tmp_pa
                                        artifacts_dir: Path) -> None:
     problems: list[str] = []
     with serving(str(demo_registry)) as base:
-        context = browser.new_context(accept_downloads=True, viewport={"width": 1400, "height": 900})
+        context = browser.new_context(accept_downloads=True, viewport={"width": 1500, "height": 900})
         page = context.new_page()
         page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
         page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
