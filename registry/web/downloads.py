@@ -85,11 +85,10 @@ def file_response(request: Request, reg: Registry, ref: str, name: str) -> Respo
 
     Raises NotFoundError for an unknown version or file name (a 404 for the caller to render).
     """
-    view = reg.get_version(ref)
-    f = next((x for x in view.files if x.name == name), None)
-    if f is None:
-        reg.open_file(view.ref, name)  # raises the registry's NotFoundError, listing the real names
-        raise AssertionError("unreachable")
+    # One lookup: open_file returns the file's record and a generator that opens nothing until iterated,
+    # so a HEAD, a 304 or a Range request never reads the whole blob. A range is read by digest, so it
+    # comes from the same bytes the ETag names even if an alias moves meanwhile.
+    f, whole = reg.open_file(ref, name)
     etag = etag_of(f)
     headers = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": "public, max-age=31536000, immutable"
                if "@" in ref and ref.rsplit("@", 1)[1].isdigit() else "no-cache",
@@ -108,6 +107,6 @@ def file_response(request: Request, reg: Registry, ref: str, name: str) -> Respo
         headers["Content-Range"] = f"bytes {span[0]}-{span[1]}/{f.size}"
     if request.method == "HEAD":
         return Response(status_code=status, headers=headers, media_type="application/octet-stream")
-    _, chunks = reg.open_file(view.ref, name, *(span or (None, None)))
+    chunks = whole if span is None else reg.blobs.iter_range(f.sha256, span[0], length)
     return StreamingResponse(held_back(chunks), status_code=status, headers=headers,
                              media_type="application/octet-stream")
