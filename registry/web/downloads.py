@@ -12,16 +12,20 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import quote
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
+from pipeline.errors import IntegrityError
 from registry.store import Registry
 from registry.views import FileView
 
+log = logging.getLogger("quantyard.web")
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
@@ -69,6 +73,22 @@ def held_back(chunks: Iterator[bytes]) -> Iterator[bytes]:
         yield pending
 
 
+class VerifiedStreamingResponse(StreamingResponse):
+    """A streamed download that, when the blob turns out corrupt, logs one line and returns without
+    completing the response: uvicorn then closes the connection short of ``Content-Length`` (no
+    traceback; the client sees a truncated, failed transfer)."""
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except IntegrityError as exc:
+            log.error("download aborted before its last chunk: %s", exc.message)
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 def etag_of(f: FileView) -> str:
     return f'"{f.sha256}"'
 
@@ -108,5 +128,5 @@ def file_response(request: Request, reg: Registry, ref: str, name: str) -> Respo
     if request.method == "HEAD":
         return Response(status_code=status, headers=headers, media_type="application/octet-stream")
     chunks = whole if span is None else reg.blobs.iter_range(f.sha256, span[0], length)
-    return StreamingResponse(held_back(chunks), status_code=status, headers=headers,
+    return VerifiedStreamingResponse(held_back(chunks), status_code=status, headers=headers,
                              media_type="application/octet-stream")
