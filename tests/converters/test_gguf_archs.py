@@ -51,9 +51,11 @@ def _assert_evaluated_close(view: object) -> dict[str, float]:
     assert quality.status == "ok"
     m = quality.metrics
     print(view.ref, {k: m[k] for k in ("ppl", "kld_mean", "top1_agreement")})  # type: ignore[attr-defined]
-    # A correct conversion follows the fp32 reference; a broken one (wrong tensor mapping, untied head,
-    # bad dtype) is off by nats on these peaked distributions, with top-1 agreement near chance.
-    assert m["kld_mean"] < 0.5 and m["top1_agreement"] > 0.8, m
+    # A correct Q8_0 conversion stays within about 0.1 nat of the fp32 reference here (top-1 agreement
+    # 0.8-0.95: the large init makes activations large, which 8-bit rounding feels); a broken one (wrong
+    # tensor mapping, dropped head, bad dtype) is off by nats, e.g. 15 nats for an untied Gemma, whose
+    # lm_head llama.cpp drops, with top-1 agreement near chance (1/4096).
+    assert m["kld_mean"] < 1.0 and m["top1_agreement"] > 0.5, m
     return m
 
 
