@@ -6,10 +6,14 @@
 * Each type is produced from the base by ``llama_model_quantize`` in a worker
   subprocess (``converters.workers.llama_quantize``): byte-identical to ``llama-quantize``,
   and a crash there cannot take the flow down.
-* Every output is checked with ``gguf.GGUFReader``: architecture, file type, tensor count.
+* imatrix quants (``i1-*``) use an importance matrix computed once per source and calibration
+  text by ``llama-imatrix`` on the base (``converters.gguf_imatrix``) and ``llama-quantize --imatrix``.
+* Every output is checked with ``gguf.GGUFReader`` (architecture, file type, tensor count) and for
+  tokenizer parity with the HF tokenizer (``converters.gguf_tokenizer``), then optionally split
+  into parts by ``llama-gguf-split`` (``converters.gguf_split``).
 
 The base is cached under ``WORK/gguf-base/<source>/<toolchain>/`` so that adding a
-type later, or re-running, never converts twice.
+type later, or re-running, never converts twice; the imatrix is cached next to it.
 """
 
 from __future__ import annotations
@@ -20,15 +24,21 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar
 
 from converters.base import BuildContext, BuiltVariant, Prepared
 from converters.checkpoint import Checkpoint
+from converters.gguf_imatrix import ImatrixRequest, ensure_imatrix
+from converters.gguf_split import inspect_parts, split_gguf
+from converters.gguf_tokenizer import check_parity
 from pipeline.errors import (
+    ConfigError,
     ConversionError,
     DiskFullError,
+    InvalidSpecError,
     TokenizerUnsupportedError,
     ToolchainMissingError,
     UnsupportedArchitectureError,
@@ -37,6 +47,22 @@ from pipeline.proc import child_env, run_logged, with_path_prefix
 from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, QuantFormat
 
 WORKER = "converters.workers.llama_quantize"
+
+
+@dataclass(frozen=True)
+class GGUFOptions:
+    """How GGUF variants are made, beyond their type.
+
+    ``base_type``: auto | F16 | BF16 | F32 (auto: BF16 for bf16 sources, else F16).
+    ``split_max_size``: split every variant into parts of at most this size (``2G``); None: one file.
+    ``allow_tokenizer_mismatch``: register variants whose tokenization differs from the HF tokenizer
+    (recorded in lineage) instead of failing them. ``imatrix``: the calibration for ``i1-`` variants.
+    """
+
+    base_type: str = "auto"
+    split_max_size: str | None = None
+    allow_tokenizer_mismatch: bool = False
+    imatrix: ImatrixRequest | None = None
 
 
 def load_toolchain(tools_dir: Path) -> dict[str, Any]:
@@ -75,10 +101,12 @@ def choose_base_type(ckpt: Checkpoint, requested: str = "auto") -> str:
 class GGUFConverter:
     format: ClassVar[QuantFormat] = QuantFormat.GGUF
 
-    def __init__(self, tools_dir: Path, python: str = sys.executable, base_type: str = "auto") -> None:
+    def __init__(self, tools_dir: Path, python: str = sys.executable, base_type: str = "auto",
+                 options: GGUFOptions | None = None) -> None:
         self.tools_dir = tools_dir
         self.python = python
-        self.base_type = base_type
+        self.options = options if options is not None else GGUFOptions(base_type=base_type)
+        self.base_type = self.options.base_type
 
     # -- identity and checks ---------------------------------------------------------------------
 
@@ -100,7 +128,10 @@ class GGUFConverter:
                 f"(llama-cpp-python {self.toolchain()['llama_cpp_python']})",
                 supported=supported,
                 hint="supported architectures: " + ", ".join(supported))
-        del specs  # every GGUFType was already validated when the spec was parsed
+        blind = [s.type for s in specs if s.requires_imatrix and not s.imatrix]
+        if blind:
+            raise InvalidSpecError(f"{', '.join(blind)} need(s) an importance matrix",
+                                   hint="request them with --imatrix (optionally --calibration FILE)")
 
     # -- base ------------------------------------------------------------------------------------
 
@@ -110,20 +141,45 @@ class GGUFConverter:
         return ctx.settings.work_root / "gguf-base" / key
 
     def prepare(self, ctx: BuildContext, specs: list[Any]) -> Prepared:
-        """Return the cached base GGUF for this source, converting it only if it is missing."""
-        del specs
+        """Return the cached base GGUF for this source (converting it only if it is missing) and, when
+        any of ``specs`` is an imatrix quant, the cached importance matrix (computing it only if missing).
+
+        Raises:
+            ConfigError: imatrix quants were requested but no calibration was given.
+        """
         base_type = choose_base_type(ctx.checkpoint, self.base_type)
         folder = self._base_dir(ctx, base_type)
         base = folder / f"{ctx.file_stem}-{base_type}.gguf"
         prepared = Prepared(paths={"base": str(base)}, meta={"base_type": base_type})
-        if base.is_file() and (folder / "ok").is_file():
-            return prepared
-        folder.mkdir(parents=True, exist_ok=True)
-        self._convert(ctx, base_type, base)
-        info = inspect_gguf(base)
-        (folder / "ok").write_text(json.dumps(info))
-        prepared.events.append("convert_base")
+        if not (base.is_file() and (folder / "ok").is_file()):
+            folder.mkdir(parents=True, exist_ok=True)
+            self._convert(ctx, base_type, base)
+            info = inspect_gguf(base)
+            (folder / "ok").write_text(json.dumps(info))
+            prepared.events.append("convert_base")
+        if any(getattr(s, "imatrix", False) for s in specs):
+            self._prepare_imatrix(ctx, prepared, base, base_type)
         return prepared
+
+    def imatrix_key(self, base_type: str) -> str:
+        """Key of the importance matrix this converter's calibration gives (with the source)."""
+        if self.options.imatrix is None:
+            raise ConfigError("imatrix quants were requested but no calibration text was given",
+                              hint="pass --imatrix (the default calibration text is used without --calibration)")
+        return self.options.imatrix.key(base_type, self.tool_identity())
+
+    def _prepare_imatrix(self, ctx: BuildContext, prepared: Prepared, base: Path, base_type: str) -> None:
+        key = self.imatrix_key(base_type)
+        assert self.options.imatrix is not None
+        path, meta, computed = ensure_imatrix(base, base.parent, self.options.imatrix, key,
+                                              bin_dir=llama_cpp_bin_dir(), env=tool_env(),
+                                              threads=ctx.settings.threads, timeout_s=ctx.settings.convert_timeout_s,
+                                              python=self.python)
+        prepared.paths["imatrix"] = str(path)
+        prepared.paths["calibration"] = str(self.options.imatrix.calibration)
+        prepared.meta["imatrix"] = meta
+        if computed:
+            prepared.events.append("imatrix")
 
     def _convert(self, ctx: BuildContext, base_type: str, dest: Path) -> None:
         need = int(ctx.checkpoint.n_params * 2 * 1.05) + (ctx.settings.disk_headroom_mb << 20)
@@ -144,23 +200,40 @@ class GGUFConverter:
     # -- variants --------------------------------------------------------------------------------
 
     def build(self, ctx: BuildContext, prepared: Prepared, spec: GGUFSpec, out_dir: Path) -> BuiltVariant:
+        """Make one variant from the base: quantize (with the imatrix for ``i1-`` types), check the file and
+        its tokenizer, split it if asked. Raises ConversionError, TokenizerMismatchError, DiskFullError."""
         base = Path(prepared.paths["base"])
         base_type = str(prepared.meta["base_type"])
         out_dir.mkdir(parents=True, exist_ok=True)
-        name = f"{ctx.file_stem}-{spec.name}.gguf"
-        out = out_dir / name
+        out = out_dir / f"{ctx.file_stem}-{spec.name}.gguf"
         events: list[str] = []
-        params: dict[str, Any] = {"type": spec.type, "base_type": base_type, "imatrix": spec.imatrix}
+        if spec.imatrix and "imatrix" not in prepared.paths:
+            raise ConfigError(f"{spec.name} is an imatrix quant but no importance matrix was prepared",
+                              hint="prepare the format with the imatrix variants in its spec list")
+        base_info = inspect_gguf(base)
         if spec.type == base_type and not spec.imatrix:
             shutil.copyfile(base, out)  # the base is this variant; the blob store dedups identical bytes
         else:
             self._quantize(ctx, base, out, spec, prepared)
             events.append("quantize")
-        info = inspect_gguf(out)
-        base_info = inspect_gguf(base)
-        _check_output(out, info, spec, base_info)
-        return BuiltVariant(variant=spec.name, files={name: out}, tool=self.tool_identity(), parameters=params,
-                            events=events, info=info)
+        _check_output(out, inspect_gguf(out), spec, base_info)
+        parity = check_parity(out, ctx.checkpoint.path, python=self.python, env=tool_env(), log_dir=out_dir,
+                              timeout_s=ctx.settings.convert_timeout_s, allow=self.options.allow_tokenizer_mismatch)
+        parts = [out]
+        if self.options.split_max_size:
+            parts = split_gguf(out, self.options.split_max_size, bin_dir=llama_cpp_bin_dir(), env=tool_env(),
+                               timeout_s=ctx.settings.convert_timeout_s)
+            events.append("split")
+        info = inspect_parts(parts)
+        _check_output(parts[0], info, spec, base_info)
+        params: dict[str, Any] = {
+            "type": spec.type, "base_type": base_type,
+            "imatrix": prepared.meta.get("imatrix") if spec.imatrix else None,
+            "split": {"max_size": self.options.split_max_size, "parts": len(parts)}
+            if self.options.split_max_size else None,
+            "tokenizer_parity": parity}
+        return BuiltVariant(variant=spec.name, files={p.name: p for p in parts}, tool=self.tool_identity(),
+                            parameters=params, events=events, info=info)
 
     def _quantize(self, ctx: BuildContext, base: Path, out: Path, spec: GGUFSpec, prepared: Prepared) -> None:
         need = base.stat().st_size + (ctx.settings.disk_headroom_mb << 20)
@@ -203,19 +276,7 @@ def _conversion_error(stderr: str, how: str, log_dir: Path, ckpt: Checkpoint) ->
 
 def inspect_gguf(path: Path) -> dict[str, Any]:
     """Architecture, file type, tensor count and parameter count of a GGUF file (via gguf-py)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-
-    def field(name: str) -> Any:
-        f = reader.get_field(name)
-        return None if f is None else f.contents()
-
-    n_elements = sum(int(t.n_elements) for t in reader.tensors)
-    return {"architecture": field("general.architecture"), "file_type": field("general.file_type"),
-            "tensor_count": len(reader.tensors), "n_elements": n_elements,
-            "size": path.stat().st_size,
-            "bpw": round(path.stat().st_size * 8 / n_elements, 4) if n_elements else None}
+    return inspect_parts([path])
 
 
 def _check_output(path: Path, info: dict[str, Any], spec: GGUFSpec, base: dict[str, Any]) -> None:
@@ -236,4 +297,4 @@ def staging_dir(root: Path, name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{name}.", dir=root))
 
 
-__all__ = ["GGUF_BASE_TYPES", "GGUFConverter", "inspect_gguf", "load_toolchain"]
+__all__ = ["GGUF_BASE_TYPES", "GGUFConverter", "GGUFOptions", "ImatrixRequest", "inspect_gguf", "load_toolchain"]

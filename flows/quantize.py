@@ -49,7 +49,7 @@ def _plan_builds(plan: Plan, settings: Settings, resolved: steps.Resolved, repor
     for fmt, specs in plan.by_format().items():
         tool = steps.make_converter(fmt, plan, settings).tool_identity()
         for spec in specs:
-            key = steps.build_key(resolved.source, spec, tool)
+            key = steps.build_key(resolved.source, spec, tool, steps.build_inputs(plan, resolved, spec, settings))
             existing = None if plan.force else steps.find_existing(settings, resolved, spec, key)
             if existing is not None:
                 out = outcomes[spec.name]

@@ -21,7 +21,7 @@ from typing import Any
 from converters import converter_class
 from converters.base import BuildContext, BuiltVariant, Prepared
 from converters.checkpoint import Checkpoint, load_checkpoint
-from converters.source import resolve_source
+from converters.source import HubOptions, resolve_source
 from evaluators import DEFAULT_ENGINE, get_evaluator
 from evaluators.base import EvalOutcome
 from evaluators.reference import reference_key, run_reference
@@ -60,7 +60,7 @@ def default_model_name(source: SourceRef) -> str:
 def resolve(plan: Plan, settings: Settings) -> Resolved:
     """Resolve and validate the source, then let every requested format check it (fail fast)."""
     src = resolve_source(plan.source.source, revision=plan.source.revision, cache_dir=settings.cache_dir,
-                         allow_pickle=plan.source.allow_pickle)
+                         allow_pickle=plan.source.allow_pickle, hub=hub_options(settings))
     allowed = (Path(src.path).parent.parent,) if src.kind == SourceKind.HUB else ()
     ckpt = load_checkpoint(Path(src.path), allow_pickle=plan.source.allow_pickle,
                            trust_remote_code=plan.source.trust_remote_code, allowed_roots=allowed)
@@ -71,18 +71,35 @@ def resolve(plan: Plan, settings: Settings) -> Resolved:
     return resolved
 
 
-def make_converter(fmt: str, plan: Plan, settings: Settings) -> Any:
+def hub_options(settings: Settings) -> HubOptions:
+    return HubOptions(endpoint=settings.hf_endpoint, cache_dir=settings.hf_cache_dir, offline=settings.hf_offline)
+
+
+def make_converter(fmt: str, plan: Plan, settings: Settings, imatrix: Any = None) -> Any:
     cls = converter_class(fmt)
     if fmt == "gguf":
-        return cls(settings.llama_cpp_tools_dir, python=settings.core_python, base_type=plan.gguf_base_type)
+        from flows import gguf_steps
+
+        return cls(settings.llama_cpp_tools_dir, python=settings.core_python,
+                   options=gguf_steps.options(plan, imatrix))
     return cls(settings)
 
 
-def build_key(source: SourceRef, spec: Any, tool: dict[str, Any]) -> str:
-    """Cache key of one variant build: source identity, spec, exact tool versions, quantyard version."""
-    payload = json.dumps({"source": source.identity, "spec": spec.model_dump(mode="json"), "tool": tool,
-                          "quantyard": __version__}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()
+def build_key(source: SourceRef, spec: Any, tool: dict[str, Any], inputs: dict[str, Any] | None = None) -> str:
+    """Cache key of one variant build: source identity, spec, exact tool versions, quantyard version, and
+    any other inputs that change the bytes (calibration text, split size...)."""
+    body: dict[str, Any] = {"source": source.identity, "spec": spec.model_dump(mode="json"), "tool": tool,
+                            "quantyard": __version__}
+    if inputs:
+        body["inputs"] = inputs
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def build_inputs(plan: Plan, resolved: Resolved, spec: Any, settings: Settings) -> dict[str, Any]:
+    """Inputs besides the spec and tools that change a variant's bytes (see :func:`build_key`)."""
+    from flows import gguf_steps
+
+    return gguf_steps.build_inputs(plan, resolved, spec, settings)
 
 
 def find_existing(settings: Settings, resolved: Resolved, spec: Any, key: str) -> VersionView | None:
@@ -91,9 +108,19 @@ def find_existing(settings: Settings, resolved: Resolved, spec: Any, key: str) -
 
 
 def prepare_format(fmt: str, plan: Plan, resolved: Resolved, specs: list[Any], settings: Settings) -> Prepared:
+    """Shared work of a format (the GGUF base; for imatrix quants the imatrix, registered with its
+    calibration text as artifacts of the source)."""
+    from flows import gguf_steps
+
     ctx = BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
                        settings=settings)
-    return make_converter(fmt, plan, settings).prepare(ctx, specs)
+    imatrix = None
+    if fmt == "gguf" and any(getattr(s, "imatrix", False) for s in specs):
+        imatrix = gguf_steps.imatrix_request(plan, resolved, settings)
+    prepared = make_converter(fmt, plan, settings, imatrix=imatrix).prepare(ctx, specs)
+    if imatrix is not None:
+        gguf_steps.register_imatrix(settings, resolved, prepared, ctx.file_stem)
+    return prepared
 
 
 def build_variant(fmt: str, plan: Plan, resolved: Resolved, prepared: Prepared, spec: Any,

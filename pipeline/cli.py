@@ -109,20 +109,44 @@ def convert(
     threads: Annotated[int | None, typer.Option(help="CPU threads for tools and engines.")] = None,
     allow_pickle: Annotated[bool, typer.Option(help="Accept pickle (.bin) weights.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow checkpoints that need remote code.")] = False,
+    imatrix: Annotated[bool, typer.Option("--imatrix", help="Build the GGUF types as imatrix (i1-) quants; "
+                                          "IQ types need it.")] = False,
+    calibration: Annotated[Path | None, typer.Option(help="Calibration text for --imatrix (default: the "
+                                                     "checkpoint's calibration.txt, else a built-in text).")] = None,
+    imatrix_chunks: Annotated[int | None, typer.Option(help="Use at most this many 512-token chunks of the "
+                                                       "calibration text.")] = None,
+    split_max_size: Annotated[str | None, typer.Option(help="Split GGUFs into parts of at most this size, "
+                                                       "e.g. 2G or 500M.")] = None,
+    gguf_base: Annotated[str, typer.Option(help="GGUF base type: auto (BF16 for bf16 sources, else F16), "
+                                           "f16, bf16 or f32.")] = "auto",
+    allow_tokenizer_mismatch: Annotated[bool, typer.Option(help="Register GGUFs whose tokenization differs "
+                                                           "from the HF tokenizer (recorded).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert SOURCE into GGUF / AWQ / EXL2 variants, evaluate them and register them."""
-    from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+    from pipeline.plan import (
+        CalibrationSpec,
+        EvalSpec,
+        Plan,
+        SourceInput,
+        SpeedSpec,
+        parse_gguf_base,
+        parse_split_size,
+        variants_from_flags,
+    )
 
     plan = Plan(
         source=SourceInput(source=source, revision=revision, allow_pickle=allow_pickle,
                            trust_remote_code=trust_remote_code),
-        model_name=name, variants=variants_from_flags(gguf=gguf, awq=awq, awq_backend=awq_backend, exl2=exl2),
+        model_name=name,
+        variants=variants_from_flags(gguf=gguf, awq=awq, awq_backend=awq_backend, exl2=exl2, imatrix=imatrix),
         eval=EvalSpec(enabled=not no_eval, text_file=str(eval_text) if eval_text else None, dataset=eval_dataset,
                       window=window,
                       stride=stride, max_windows=max_windows, top_k=top_k,
                       speed=SpeedSpec(enabled=not no_speed)),
-        force=force)
+        force=force, gguf_base_type=parse_gguf_base(gguf_base), gguf_split_max_size=parse_split_size(split_max_size),
+        calibration=CalibrationSpec(file=str(calibration) if calibration else None, chunks=imatrix_chunks),
+        allow_tokenizer_mismatch=allow_tokenizer_mismatch)
     run_plan(plan, settings(registry, threads=threads), as_json)
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LLAMA_CPP_VERSION = "0.3.36"
@@ -54,6 +54,14 @@ class Settings(BaseSettings):
                                   "(default: CACHE_DIR/llama.cpp/<version>, filled by make setup).")
     core_python: str = Field(default=sys.executable,
                              description="Interpreter that runs the converter and llama.cpp subprocesses.")
+    # Hugging Face Hub access uses the standard HF configuration (HF_ENDPOINT, HF_HUB_CACHE,
+    # HF_HUB_OFFLINE; the token from HF_TOKEN or `hf auth login`), read here once and passed down.
+    hf_endpoint: str | None = Field(default=None, validation_alias=AliasChoices("hf_endpoint", "HF_ENDPOINT"),
+                                    description="Hub endpoint (default: huggingface.co).")
+    hf_cache_dir: Path | None = Field(default=None, validation_alias=AliasChoices("hf_cache_dir", "HF_HUB_CACHE"),
+                                      description="HF cache for hub snapshots (default: HF_HOME/hub).")
+    hf_offline: bool = Field(default=False, validation_alias=AliasChoices("hf_offline", "HF_HUB_OFFLINE"),
+                             description="Use only snapshots already in the HF cache.")
     engine_timeout_s: float = Field(default=6 * 3600, gt=0)
     disk_headroom_mb: int = Field(default=64, ge=0,
                                   description="Free space kept in reserve when checking a write will fit.")

@@ -40,6 +40,12 @@ class SourceNotFoundError(QuantyardError, FileNotFoundError):
     code = "source_not_found"
 
 
+class SourceAccessError(QuantyardError, PermissionError):
+    """The source exists but this user may not read it (a gated or private hub repository)."""
+
+    code = "source_access"
+
+
 class InvalidCheckpointError(QuantyardError, ValueError):
     """The source exists but is not a loadable Hugging Face causal-LM checkpoint."""
 

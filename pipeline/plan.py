@@ -6,13 +6,26 @@ tasks receive the plan (JSON-serialisable), never loose arguments.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from pipeline.errors import ConfigError, InvalidSpecError
-from pipeline.specs import AWQBackend, AWQSpec, EXL2Spec, Frozen, GGUFSpec, VariantSpec, parse_gguf_type
+from pipeline.specs import (
+    GGUF_BASE_TYPES,
+    AWQBackend,
+    AWQSpec,
+    EXL2Spec,
+    Frozen,
+    GGUFSpec,
+    VariantSpec,
+    parse_gguf_type,
+)
+
+#: What ``llama-gguf-split --split-max-size`` accepts: a whole number of megabytes or gigabytes.
+SPLIT_SIZE_PATTERN = r"^[0-9]+[MG]$"
 
 
 class SpeedSpec(Frozen):
@@ -47,19 +60,59 @@ class SourceInput(Frozen):
     trust_remote_code: bool = False
 
 
+class CalibrationSpec(Frozen):
+    """Calibration text for importance matrices (``--imatrix``): a file, else the checkpoint's own
+    ``calibration.txt``, else the built-in calibration split. ``chunks`` of ``context`` tokens are used
+    (None: every chunk the text holds)."""
+
+    file: str | None = None
+    chunks: int | None = Field(default=None, ge=1)
+    context: int = Field(default=512, ge=32)
+
+
 class Plan(Frozen):
     source: SourceInput
     model_name: str | None = None
     variants: tuple[VariantSpec, ...]
     eval: EvalSpec = EvalSpec()
     force: bool = False
-    gguf_base_type: str = "auto"
+    gguf_base_type: str = "auto"  # auto | F16 | BF16 | F32
+    gguf_split_max_size: str | None = Field(default=None, pattern=SPLIT_SIZE_PATTERN)
+    calibration: CalibrationSpec = CalibrationSpec()
+    allow_tokenizer_mismatch: bool = False
+
+    @field_validator("gguf_base_type")
+    @classmethod
+    def _base_type(cls, value: str) -> str:
+        return parse_gguf_base(value)
 
     def by_format(self) -> dict[str, list[VariantSpec]]:
         out: dict[str, list[VariantSpec]] = {}
         for spec in self.variants:
             out.setdefault(spec.format.value, []).append(spec)
         return out
+
+
+def parse_gguf_base(text: str) -> str:
+    """``--gguf-base``: auto, f16, bf16 or f32 (case-insensitive)."""
+    value = text.strip().upper()
+    if value == "AUTO":
+        return "auto"
+    if value not in GGUF_BASE_TYPES:
+        raise InvalidSpecError(f"invalid GGUF base type {text!r}: expected auto, f16, bf16 or f32",
+                               hint="auto picks BF16 for bf16 sources and F16 otherwise")
+    return value
+
+
+def parse_split_size(text: str | None) -> str | None:
+    """``--split-max-size``: a size llama-gguf-split understands, e.g. ``500M`` or ``2G``."""
+    if text is None:
+        return None
+    value = text.strip().upper()
+    if not re.fullmatch(SPLIT_SIZE_PATTERN, value) or int(value[:-1]) == 0:
+        raise InvalidSpecError(f"invalid split size {text!r}: expected a positive whole number of megabytes "
+                               "or gigabytes such as 500M or 2G", hint="llama-gguf-split accepts only M and G")
+    return value
 
 
 def split_list(text: str | None) -> list[str]:
@@ -69,7 +122,10 @@ def split_list(text: str | None) -> list[str]:
 def variants_from_flags(gguf: str | None = None, awq: bool = False, awq_backend: str = "llmcompressor",
                         exl2: str | None = None, imatrix: bool = False) -> tuple[VariantSpec, ...]:
     """Turn ``--gguf Q8_0,Q4_K_M --awq --exl2 4.0,6.0`` into variant specs (validated, de-duplicated)."""
-    specs: list[VariantSpec] = [GGUFSpec(type=parse_gguf_type(t).name, imatrix=imatrix) for t in split_list(gguf)]
+    types = [parse_gguf_type(t).name for t in split_list(gguf)]
+    # an importance matrix only matters when quantizing: the unquantized base types never get one
+    specs: list[VariantSpec] = [GGUFSpec(type=t, imatrix=imatrix and t not in GGUF_BASE_TYPES) for t in types]
+    check_imatrix_types([s for s in specs if isinstance(s, GGUFSpec)])
     if awq:
         specs.append(AWQSpec(backend=AWQBackend(awq_backend)))
     for bpw in split_list(exl2):
@@ -83,6 +139,20 @@ def variants_from_flags(gguf: str | None = None, awq: bool = False, awq_backend:
     if not seen:
         raise InvalidSpecError("no variants requested", hint="pass --gguf TYPES, --awq and/or --exl2 BPWS")
     return tuple(seen.values())
+
+
+def check_imatrix_types(specs: list[GGUFSpec]) -> None:
+    """IQ types (and Q2_K_S) need an importance matrix; refuse them without one, naming them.
+
+    Raises:
+        InvalidSpecError: one or more of ``specs`` needs ``--imatrix``.
+    """
+    missing = [s.type for s in specs if s.requires_imatrix and not s.imatrix]
+    if missing:
+        raise InvalidSpecError(
+            f"{', '.join(missing)} need(s) an importance matrix: these types lose too much quality when quantized "
+            "without one, so Quantyard refuses to build them blind",
+            hint="add --imatrix (optionally --calibration FILE) to build them as imatrix (i1-) quants")
 
 
 def load_recipe(path: Path) -> dict[str, object]:

@@ -116,6 +116,10 @@ class GGUFSpec(Frozen):
     def is_base(self) -> bool:
         return self.type in GGUF_BASE_TYPES
 
+    @property
+    def requires_imatrix(self) -> bool:
+        return self.type.startswith(IMATRIX_REQUIRED_PREFIXES)
+
 
 class AWQSpec(Frozen):
     format: Literal[QuantFormat.AWQ] = QuantFormat.AWQ

@@ -69,3 +69,81 @@ def bytelevel_bpe_checkpoint(dest: Path, demo: Path) -> Path:
 def truncate(path: Path, keep: int) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:keep])
+
+
+# --- other architectures ------------------------------------------------------------------------
+
+#: Per-architecture settings for tiny random checkpoints that llama.cpp's converter and loader accept
+#: with the demo SentencePiece tokenizer (hidden and FFN sizes stay multiples of 256 for K-quants).
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama"},
+    "mistral": {"model_type": "mistral"},
+    "qwen2": {"model_type": "qwen2"},
+    "qwen3": {"model_type": "qwen3", "head_dim": 64},
+    # Gemma ties its embeddings (llama.cpp drops lm_head.weight for it) and its tokenizer adds no dummy
+    # prefix space; GemmaTokenizer is what Gemma repos declare.
+    "gemma": {"model_type": "gemma", "head_dim": 64, "tokenizer_class": "GemmaTokenizer", "tie": True},
+    # llama.cpp's Phi-3 vocabulary loader looks up Phi-3's own special tokens by name.
+    "phi3": {"model_type": "phi3", "pad_token_id": 0,
+             "special_tokens": ["<|endoftext|>", "<|end|>", "<|user|>", "<|assistant|>"]},
+}
+
+
+def arch_checkpoint(dest: Path, demo: Path, arch: str, **kw: Any) -> Path:
+    """A tiny random checkpoint of ``arch`` (see :data:`ARCHITECTURES`) with the demo tokenizer."""
+    settings = {**ARCHITECTURES[arch], **kw}
+    special = settings.pop("special_tokens", None)
+    tokenizer_class = settings.pop("tokenizer_class", None)
+    tokenizer_from = demo
+    if special or tokenizer_class:
+        tokenizer_from = _custom_tokenizer(dest.parent / f".{dest.name}-tokenizer", demo, special or [],
+                                           tokenizer_class)
+    return random_checkpoint(dest, tokenizer_from, **settings)
+
+
+def _custom_tokenizer(dest: Path, demo: Path, special: list[str], tokenizer_class: str | None) -> Path:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo)
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": special})
+    tok.save_pretrained(dest)
+    shutil.copy(demo / "tokenizer.model", dest / "tokenizer.model")
+    if tokenizer_class:
+        cfg = json.loads((dest / "tokenizer_config.json").read_text())
+        cfg["tokenizer_class"] = tokenizer_class
+        (dest / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    (dest / "config.json").write_text(json.dumps({"vocab_size": len(tok)}))
+    return dest
+
+
+# --- GGUF surgery ---------------------------------------------------------------------------------
+
+
+def gguf_swap_tokens(src: Path, dest: Path, a: int, b: int) -> None:
+    """Copy a GGUF with the vocabulary entries (text, score, type) of token ids ``a`` and ``b`` swapped:
+    the crafted 'silently wrong vocabulary' the tokenizer parity check must catch. Uses gguf-py's reader
+    and writer (PyPI gguf)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(str(dest), arch=arch)
+    swapped = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # written by GGUFWriter itself
+        value = field.contents()
+        if name in swapped:
+            value = list(value)
+            value[a], value[b] = value[b], value[a]
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+    for t in reader.tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:
+        writer.write_tensor_data(t.data)
+    writer.close()

@@ -1,0 +1,120 @@
+"""Real-world checkpoint shapes through the real flow: sharded bf16 Mistral, tied-embedding Llama, and the
+other architectures llama.cpp's converter supports (tiny random weights, demo tokenizer, no downloads).
+
+The random checkpoints use a large init range so their next-token distributions are peaked (entropy
+about 2 nats rather than the uniform 8.3): a wrongly converted model then shows up as a large KLD
+against the transformers reference instead of hiding inside near-uniform noise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader, LlamaFileType
+
+from converters.base import BuildContext
+from converters.checkpoint import load_checkpoint
+from converters.gguf import GGUFConverter
+from converters.source import resolve_source
+from flows.quantize import convert_flow
+from pipeline.config import Settings
+from pipeline.errors import TokenizerMismatchError
+from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+from pipeline.specs import GGUFSpec
+from registry import open_registry
+from tests.factories import arch_checkpoint
+
+PEAKED = {"initializer_range": 0.3}
+TINY_EVAL = EvalSpec(window=128, stride=128, max_windows=4, speed=SpeedSpec(enabled=False))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("archs")
+    return {
+        "mistral": arch_checkpoint(root / "tiny-mistral", demo_model, "mistral", dtype="bfloat16",
+                                   max_shard_size="1MB", layers=2, **PEAKED),
+        "llama-tied": arch_checkpoint(root / "tiny-llama-tied", demo_model, "llama", tie=True, layers=2, **PEAKED),
+    }
+
+
+def _convert(path: Path, name: str, types: str, settings: Settings) -> object:
+    plan = Plan(source=SourceInput(source=str(path)), model_name=name, variants=variants_from_flags(gguf=types),
+                eval=TINY_EVAL)
+    return convert_flow(plan, settings)
+
+
+def _assert_evaluated_close(view: object) -> dict[str, float]:
+    quality = next(r for r in view.results if r.kind == "quality")  # type: ignore[attr-defined]
+    assert quality.status == "ok"
+    m = quality.metrics
+    print(view.ref, {k: m[k] for k in ("ppl", "kld_mean", "top1_agreement")})  # type: ignore[attr-defined]
+    # A correct Q8_0 conversion stays within about 0.1 nat of the fp32 reference here (top-1 agreement
+    # 0.8-0.95: the large init makes activations large, which 8-bit rounding feels); a broken one (wrong
+    # tensor mapping, dropped head, bad dtype) is off by nats, e.g. 15 nats for an untied Gemma, whose
+    # lm_head llama.cpp drops, with top-1 agreement near chance (1/4096).
+    assert m["kld_mean"] < 1.0 and m["top1_agreement"] > 0.5, m
+    return m
+
+
+def test_sharded_bf16_mistral_converts_evaluates_registers(checkpoints: dict[str, Path], settings: Settings,
+                                                           prefect_harness: None) -> None:
+    ckpt = checkpoints["mistral"]
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2 and json.loads((ckpt / "config.json").read_text())[
+        "dtype"] == "bfloat16"
+    report = _convert(ckpt, "tiny-mistral", "Q8_0", settings)
+    assert report.ok and report.count("convert_base") == 1, report  # type: ignore[attr-defined]
+    reg = open_registry(settings.registry)
+    view = reg.get_version("tiny-mistral/Q8_0")
+    assert view.lineage["parameters"]["base_type"] == "BF16"  # matches the bf16 source
+    assert view.lineage["source"]["architecture"] == "MistralForCausalLM"
+    assert view.lineage["source"]["torch_dtype"] == "bfloat16"
+    assert view.lineage["parameters"]["tokenizer_parity"]["ok"] is True
+    (base,) = (settings.work_root / "gguf-base").glob("*/tiny-mistral-BF16.gguf")
+    assert GGUFReader(str(base)).get_field("general.file_type").contents() == LlamaFileType.MOSTLY_BF16
+    _assert_evaluated_close(view)
+
+
+def test_tied_embedding_llama_converts_evaluates_registers(checkpoints: dict[str, Path], settings: Settings,
+                                                           prefect_harness: None) -> None:
+    ckpt = checkpoints["llama-tied"]
+    assert "lm_head.weight" not in load_checkpoint(ckpt).tensors  # tied: only the embedding is stored
+    report = _convert(ckpt, "tiny-llama-tied", "Q8_0", settings)
+    assert report.ok, report
+    reg = open_registry(settings.registry)
+    view = reg.get_version("tiny-llama-tied/Q8_0")
+    assert view.lineage["parameters"]["base_type"] == "F16"
+    names = {t.name for t in GGUFReader(str(reg.blobs.path_of(view.files[0].sha256))).tensors}
+    assert "token_embd.weight" in names and "output.weight" not in names  # llama.cpp reuses the embedding
+    _assert_evaluated_close(view)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "phi3"])
+def test_other_architectures_convert_with_tokenizer_parity(arch: str, tmp_path: Path, demo_model: Path,
+                                                           settings: Settings, prefect_harness: None) -> None:
+    ckpt = arch_checkpoint(tmp_path / f"tiny-{arch}", demo_model, arch, layers=1, **PEAKED)
+    report = _convert(ckpt, f"tiny-{arch}", "Q8_0", settings)
+    assert report.ok, report
+    view = open_registry(settings.registry).get_version(f"tiny-{arch}/Q8_0")
+    assert view.lineage["parameters"]["tokenizer_parity"]["ok"] is True
+    _assert_evaluated_close(view)
+
+
+def test_qwen2_with_a_sentencepiece_tokenizer_is_caught_by_parity(tmp_path: Path, demo_model: Path,
+                                                                 settings: Settings) -> None:
+    """Not crafted: transformers 5 always loads Qwen2Tokenizer (byte-level BPE) for model_type qwen2, while
+    llama.cpp's converter takes the SentencePiece tokenizer.model it finds. The GGUF converts and loads,
+    but tokenizes differently — exactly the silent failure the check exists for."""
+    ckpt = arch_checkpoint(tmp_path / "tiny-qwen2", demo_model, "qwen2", layers=1)
+    conv = GGUFConverter(settings.llama_cpp_tools_dir)
+    ctx = BuildContext(checkpoint=load_checkpoint(ckpt), source=resolve_source(str(ckpt), cache_dir=settings.cache_dir),
+                       model_name="tiny-qwen2", settings=settings)
+    conv.check(ctx.checkpoint, [])
+    prepared = conv.prepare(ctx, [])
+    with pytest.raises(TokenizerMismatchError) as info:
+        conv.build(ctx, prepared, GGUFSpec(type="Q8_0"), tmp_path / "out")
+    assert info.value.position >= 1 and f"position {info.value.position}" in str(info.value)
+    assert info.value.expected != info.value.found

@@ -1,0 +1,98 @@
+"""Tokenizer parity: the GGUF must tokenize the probe text exactly like the checkpoint's HF tokenizer.
+The demo passes; a GGUF whose vocabulary was edited with gguf-py is caught with the first differing
+position, fails its variant, and is registered only with --allow-tokenizer-mismatch (recorded)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from converters.base import BuildContext
+from converters.checkpoint import load_checkpoint
+from converters.gguf import GGUFConverter, tool_env
+from converters.gguf_tokenizer import PROBE_TEXT, check_parity, hf_tokens
+from converters.source import resolve_source
+from flows.quantize import convert_flow
+from pipeline.config import Settings
+from pipeline.errors import NotFoundError, TokenizerMismatchError
+from pipeline.plan import EvalSpec, Plan, SourceInput, variants_from_flags
+from registry import open_registry
+from tests.conftest import make_settings
+from tests.factories import gguf_swap_tokens
+
+
+def _base(demo_model: Path, cfg: Settings) -> Path:
+    """The demo's cached F16 base in ``cfg``'s work dir (converted once per session)."""
+    ctx = BuildContext(checkpoint=load_checkpoint(demo_model), source=resolve_source(str(demo_model),
+                       cache_dir=cfg.cache_dir), model_name="demo", settings=cfg)
+    return Path(GGUFConverter(cfg.llama_cpp_tools_dir).prepare(ctx, []).paths["base"])
+
+
+def _swap_pair(demo_model: Path) -> tuple[int, int, int]:
+    """Two token ids to swap (one in the probe, one not) and the first probe position the swap touches."""
+    ids, _ = hf_tokens(demo_model)
+    a = ids[3]
+    b = next(i for i in range(3000, 4000) if i not in ids)
+    return a, b, ids.index(a)
+
+
+@pytest.fixture
+def shared_work(demo_registry_template: dict[str, object]) -> Path:
+    return Path(demo_registry_template["work"])  # type: ignore[arg-type]
+
+
+def test_demo_gguf_tokenizes_like_hf(demo_model: Path, shared_work: Path, cache_dir: Path, tmp_path: Path) -> None:
+    cfg = make_settings(tmp_path / "registry", shared_work, cache_dir)
+    record = check_parity(_base(demo_model, cfg), demo_model, python=sys.executable, env=tool_env(),
+                          log_dir=tmp_path, timeout_s=120, allow=False)
+    assert record["ok"] is True and record["tokens_hf"] == record["tokens_gguf"] > 100
+    assert len(PROBE_TEXT) > 500
+
+
+def test_edited_vocabulary_is_caught_with_the_position(demo_model: Path, shared_work: Path, cache_dir: Path,
+                                                       tmp_path: Path) -> None:
+    cfg = make_settings(tmp_path / "registry", shared_work, cache_dir)
+    a, b, position = _swap_pair(demo_model)
+    crafted = tmp_path / "crafted.gguf"
+    gguf_swap_tokens(_base(demo_model, cfg), crafted, a, b)
+    with pytest.raises(TokenizerMismatchError) as info:
+        check_parity(crafted, demo_model, python=sys.executable, env=tool_env(), log_dir=tmp_path, timeout_s=120,
+                     allow=False)
+    err = info.value
+    assert err.position == position and f"position {position}" in str(err)
+    # the GGUF gives b where HF gives a (both shown, with their neighbours)
+    offset = position - max(0, position - 4)
+    assert err.expected[offset] == a and err.found[offset] == b
+    assert "--allow-tokenizer-mismatch" in str(err)
+
+
+def test_mismatch_fails_the_variant_unless_allowed(demo_model: Path, shared_work: Path, cache_dir: Path,
+                                                   tmp_path: Path, registry_path: Path,
+                                                   prefect_harness: None) -> None:
+    cfg = make_settings(registry_path, tmp_path / "work", cache_dir)
+    shared_base = _base(demo_model, make_settings(registry_path, shared_work, cache_dir))
+    private = cfg.work_root / "gguf-base" / shared_base.parent.name
+    shutil.copytree(shared_base.parent, private)  # same key: the flow finds this base and converts nothing
+    a, b, position = _swap_pair(demo_model)
+    crafted = private / "crafted.tmp"
+    gguf_swap_tokens(private / shared_base.name, crafted, a, b)
+    crafted.replace(private / shared_base.name)
+
+    plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo", variants=variants_from_flags(
+        gguf="Q8_0"), eval=EvalSpec(enabled=False))
+    failed = convert_flow(plan, cfg)
+    (outcome,) = failed.variants
+    assert failed.count("convert_base") == 0
+    assert outcome.status == "failed" and outcome.error_type == "TokenizerMismatchError"
+    assert f"position {position}" in (outcome.error or "")
+    with pytest.raises(NotFoundError):
+        open_registry(cfg.registry).list_variants("demo")  # nothing registered
+
+    allowed = convert_flow(plan.model_copy(update={"allow_tokenizer_mismatch": True}), cfg)
+    assert allowed.ok and allowed.variants[0].status == "registered"
+    parity = open_registry(cfg.registry).get_version("demo/Q8_0").lineage["parameters"]["tokenizer_parity"]
+    assert parity["ok"] is False and parity["allowed_by_override"] is True
+    assert parity["first_difference"] == position
