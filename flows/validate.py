@@ -18,7 +18,7 @@ from converters.sanity import awq_sanity, gguf_sanity, gguf_structure
 from flows import steps
 from pipeline.checks import CheckFailed, CheckSkipped, ValidationReport
 from pipeline.config import Settings
-from pipeline.errors import InvalidArtifactError, InvalidSpecError, QuantyardError
+from pipeline.errors import InvalidArtifactError, InvalidSpecError, QuantyardError, TokenizerMismatchError
 from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec
 from pipeline.policy import Policy, quant_class
 from pipeline.specs import GGUFType, Ref, VersionState
@@ -202,14 +202,21 @@ def check_loadability(target: Target, settings: Settings, work: Path) -> tuple[s
 
 
 def _source_for(target: Target, settings: Settings) -> steps.Resolved:
+    cached = target.notes.get("resolved")
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
     if not target.source_text:
         raise InvalidSpecError(f"{target.label} has no declared source to evaluate against",
                                hint="pass --source CHECKPOINT_FOLDER_OR_HUB_ID")
     plan = Plan(source=SourceInput(source=target.source_text, revision=target.source_revision),
                 variants=(), eval=EvalSpec())
-    src = steps.resolve_source(plan.source.source, revision=plan.source.revision, cache_dir=settings.cache_dir)
-    ckpt = steps.load_checkpoint(Path(src.path))
-    return steps.Resolved(source=src, model_name=steps.default_model_name(src), checkpoint=ckpt)
+    src = steps.resolve_source(plan.source.source, revision=plan.source.revision, cache_dir=settings.cache_dir,
+                               hub=steps.hub_options(settings))
+    allowed = (Path(src.path).parent.parent,) if src.kind.value == "hub" else ()
+    ckpt = steps.load_checkpoint(Path(src.path), allowed_roots=allowed)
+    resolved = steps.Resolved(source=src, model_name=steps.default_model_name(src), checkpoint=ckpt)
+    target.notes["resolved"] = resolved
+    return resolved
 
 
 def _quality_metrics(target: Target, settings: Settings, opts: ValidateOptions, work: Path) -> dict[str, Any]:
@@ -375,7 +382,27 @@ def _skip(reason: str) -> None:
 
 
 def check_tokenizer_parity(target: Target, settings: Settings, work: Path) -> tuple[str, dict[str, Any]]:
-    raise CheckSkipped("tokenizer parity is checked after conversion (issue 10); not wired into validate yet")
+    """The engine's tokenization of the probe text must equal the source's HF tokenizer's (GGUF carries its
+    own vocabulary and pre-tokenizer; AWQ and EXL2 folders load the HF tokenizer itself)."""
+    if target.fmt != "gguf":
+        raise CheckSkipped(f"{target.fmt} engines load the checkpoint's own HF tokenizer files")
+    if not target.source_text:
+        raise CheckSkipped("no declared source to compare the tokenizer with (pass --source)")
+    from converters.gguf import tool_env
+    from converters.gguf_tokenizer import check_parity
+
+    try:
+        resolved = _source_for(target, settings)
+    except QuantyardError as exc:
+        raise CheckSkipped(f"the source is not available here: {exc.message}") from exc
+    log_dir = work / "tokenize"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        record = check_parity(target.model_path, resolved.checkpoint.path, python=settings.core_python,
+                              env=tool_env(), log_dir=log_dir, timeout_s=600, allow=False)
+    except TokenizerMismatchError as exc:
+        raise CheckFailed(exc.message, position=exc.position, hf=exc.expected, gguf=exc.found) from exc
+    return f"{record['tokens_hf']} probe tokens identical to the HF tokenizer's", record
 
 
 def promote(report: ValidationReport, target_text: str, settings: Settings) -> str | None:
