@@ -90,6 +90,14 @@ def convert(
                                              + ", ".join(gguf_type_names()))] = None,
     awq: Annotated[bool, typer.Option("--awq", help="Add a 4-bit AWQ variant.")] = False,
     awq_backend: Annotated[str, typer.Option(help="llmcompressor | autoawq")] = "llmcompressor",
+    awq_bits: Annotated[int, typer.Option(help="AWQ weight bits (4, or 8 with llmcompressor).")] = 4,
+    awq_group_size: Annotated[int, typer.Option(help="AWQ quantization group size (-1: per channel).")] = 128,
+    awq_symmetric: Annotated[bool, typer.Option("--awq-symmetric", help="Symmetric AWQ (default asymmetric).")]
+    = False,
+    awq_calibration: Annotated[str | None, typer.Option(
+        help="AWQ calibration text file, or dataset:NAME[:CONFIG]:SPLIT[:COLUMN] (default: bundled text).")] = None,
+    awq_calibration_samples: Annotated[int, typer.Option(help="AWQ calibration samples.")] = 64,
+    awq_calibration_seq_len: Annotated[int, typer.Option(help="AWQ calibration sample length (tokens).")] = 256,
     exl2: Annotated[str | None, typer.Option(help="Comma-separated EXL2 bits per weight, e.g. 4.0,6.0")] = None,
     name: Annotated[str | None, typer.Option(help="Model name in the registry (default: folder or hub id).")] = None,
     revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit (pinned to its SHA).")] = None,
@@ -109,12 +117,15 @@ def convert(
     as_json: JsonOpt = False,
 ) -> None:
     """Convert SOURCE into GGUF / AWQ / EXL2 variants, evaluate them and register them."""
-    from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+    from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, awq_options, variants_from_flags
 
+    awq_opts = awq_options(awq_bits, awq_group_size, awq_symmetric, awq_calibration, awq_calibration_samples,
+                           awq_calibration_seq_len) if awq else None
     plan = Plan(
         source=SourceInput(source=source, revision=revision, allow_pickle=allow_pickle,
                            trust_remote_code=trust_remote_code),
-        model_name=name, variants=variants_from_flags(gguf=gguf, awq=awq, awq_backend=awq_backend, exl2=exl2),
+        model_name=name, variants=variants_from_flags(gguf=gguf, awq=awq, awq_backend=awq_backend, exl2=exl2,
+                                                      awq_opts=awq_opts),
         eval=EvalSpec(enabled=not no_eval, text_file=str(eval_text) if eval_text else None, window=window,
                       stride=stride, max_windows=max_windows, top_k=top_k,
                       speed=SpeedSpec(enabled=not no_speed)),
@@ -298,6 +309,11 @@ def demo(registry: RegistryOpt = None, gguf: Annotated[str, typer.Option(help="G
     path = cached_demo_model(cfg.cache_dir, progress=_train_progress())
     plan = Plan(source=SourceInput(source=str(path)), model_name="demo", variants=variants_from_flags(gguf=gguf))
     run_plan(plan, cfg, as_json)
+
+
+from pipeline.cli_env import env_app  # noqa: E402 - registered after handle_errors exists
+
+app.add_typer(env_app, name="env")
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -45,12 +46,25 @@ class Settings(BaseSettings):
                                   "(default: CACHE_DIR/llama.cpp/<version>, filled by make setup).")
     core_python: str = Field(default=sys.executable,
                              description="Interpreter that runs the converter and llama.cpp subprocesses.")
+    # Managed tool environments (pipeline/envs.py): where they live, which accelerator to build them for,
+    # and interpreters the user already has that replace a managed environment.
+    envs_dir: Path | None = Field(default=None, description="Managed tool environments (default: CACHE_DIR/envs).")
+    accelerator: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Which build of a tool environment to use; auto = cuda when nvidia-smi works.")
+    awq_python: str | None = Field(default=None, description="Interpreter with llm-compressor (replaces env awq).")
+    autoawq_python: str | None = Field(default=None, description="Interpreter with AutoAWQ (replaces env autoawq).")
+    vllm_python: str | None = Field(default=None, description="Interpreter with vLLM (replaces env vllm).")
+    exl2_python: str | None = Field(default=None, description="Interpreter with ExLlamaV2 (replaces env exl2).")
     engine_timeout_s: float = Field(default=6 * 3600, gt=0)
     convert_timeout_s: float = Field(default=24 * 3600, gt=0)
 
     @property
     def work_root(self) -> Path:
         return self.work_dir if self.work_dir is not None else self.cache_dir / "work"
+
+    @property
+    def envs_root(self) -> Path:
+        return self.envs_dir if self.envs_dir is not None else self.cache_dir / "envs"
 
     @property
     def llama_cpp_tools_dir(self) -> Path:
