@@ -257,7 +257,7 @@ def inspect_awq(folder: Path, spec: AWQSpec) -> dict[str, Any]:
         fmt = qc.get("format")
     else:
         problems = _check_gemm(qc, names, spec)
-        fmt = f"gemm-{qc.get('version')}"
+        fmt = str(qc.get("version"))
     if problems:
         raise ConversionError(f"AWQ output failed its check: {'; '.join(problems)}",
                               hint="the quantizer wrote an unexpected layout; report it with the logs")

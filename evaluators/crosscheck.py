@@ -33,6 +33,14 @@ class TransformersCheckEvaluator:
             return exc.message
         return None
 
+    @staticmethod
+    def skip_reason(spec: dict[str, object]) -> str | None:
+        """Why this check does not apply to a variant spec (None: it applies). transformers reads the
+        compressed-tensors layout; the AutoAWQ GEMM layout needs AutoAWQ's kernels, absent there."""
+        if spec.get("backend", "llmcompressor") != "llmcompressor":
+            return "transformers in the awq environment cannot load the AutoAWQ GEMM layout"
+        return None
+
     def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
                  out_dir: Path, settings: Settings) -> EvalOutcome:
         """Score an AWQ folder with transformers (float32, CPU) on the window set; no speed.

@@ -136,10 +136,15 @@ def _evaluate_one(plan: Plan, settings: Settings, report: ConvertReport, out: Va
 def _cross_check(plan: Plan, settings: Settings, report: ConvertReport, out: VariantOutcome, windows: Any,
                  ws_meta: dict[str, Any], reference: Any) -> None:
     """A second engine on the same file (AWQ: transformers), recorded as its own result."""
-    from evaluators import CROSS_CHECK_ENGINE
+    from evaluators import CROSS_CHECK_ENGINE, get_evaluator
+    from registry import open_registry
 
     engine = CROSS_CHECK_ENGINE.get(out.format)
     if engine is None or not plan.eval.cross_check:
+        return
+    spec = open_registry(settings.registry).get_version(out.ref).spec
+    if get_evaluator(engine).skip_reason(spec):
+        report.events.append(f"cross_check_skipped:{out.variant}")
         return
     try:
         with _timed(report, "cross_check"), stage("cross-check", out.variant):

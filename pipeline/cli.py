@@ -300,6 +300,7 @@ def _train_progress() -> Callable[[int, int, float], None]:
 @handle_errors
 def demo(registry: RegistryOpt = None, gguf: Annotated[str, typer.Option(help="GGUF types to build.")]
          = "Q8_0,Q6_K,Q4_K_M,Q3_K_M,Q2_K", threads: Annotated[int | None, typer.Option()] = None,
+         awq: Annotated[bool, typer.Option("--awq/--no-awq", help="Add the AWQ variant (vLLM).")] = True,
          as_json: JsonOpt = False) -> None:
     """Build (or reuse) the demo checkpoint and run the main flow on it."""
     from pipeline.demo_model import cached_demo_model
@@ -307,7 +308,9 @@ def demo(registry: RegistryOpt = None, gguf: Annotated[str, typer.Option(help="G
 
     cfg = settings(registry, threads=threads)
     path = cached_demo_model(cfg.cache_dir, progress=_train_progress())
-    plan = Plan(source=SourceInput(source=str(path)), model_name="demo", variants=variants_from_flags(gguf=gguf))
+    # The demo's AWQ calibration is smaller than the default (64 x 256 tokens) to keep `make demo` short.
+    plan = Plan(source=SourceInput(source=str(path)), model_name="demo", variants=variants_from_flags(
+        gguf=gguf, awq=awq, awq_opts={"calibration_samples": 32, "calibration_seq_len": 128}))
     run_plan(plan, cfg, as_json)
 
 
