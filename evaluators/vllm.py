@@ -44,8 +44,9 @@ def speed_shape(spec: EvalSpec, accelerator: str) -> dict[str, Any] | None:
 
 
 def model_dtype(model: Path, accelerator: str) -> str:
-    """``auto`` on a GPU. On CPU float32 checkpoints stay float32; anything else runs in bfloat16,
-    because vLLM's CPU kernels reject float16 ("Failed to create oneDNN linear")."""
+    """``auto`` on a GPU. On CPU float32 compressed-tensors checkpoints stay float32; anything else runs
+    in bfloat16, because vLLM's CPU kernels reject float16 ("Failed to create oneDNN linear") and its
+    AWQ GEMM method rejects float32."""
     if accelerator == "cuda":
         return "auto"
     try:
@@ -53,7 +54,9 @@ def model_dtype(model: Path, accelerator: str) -> str:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{model} has no readable config.json", hint="evaluate a model folder") from exc
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "")
-    return "float32" if dtype == "float32" else "bfloat16"
+    method = str((cfg.get("quantization_config") or {}).get("quant_method", ""))
+    # vLLM's legacy AWQ (GEMM) method accepts only float16/bfloat16 activations.
+    return "float32" if dtype == "float32" and method != "awq" else "bfloat16"
 
 
 class VLLMEvaluator:
