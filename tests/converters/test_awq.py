@@ -28,6 +28,9 @@ from pipeline.specs import AWQBackend, AWQSpec
 from registry import open_registry
 from tests.conftest import AWQ_TEST_OPTS, awq_eval_spec, registry_snapshot
 
+#: AutoAWQ's search is about twice as slow as llm-compressor's on CPU: a smaller calibration keeps the test short.
+AUTOAWQ_TEST_OPTS: dict[str, object] = {"calibration_samples": 4, "calibration_seq_len": 64}
+
 
 def test_llmcompressor_cpu_patch_is_still_needed_and_still_applies() -> None:
     """Fails when llm-compressor no longer needs the pin_memory patch on CPU, or when it moved."""
@@ -129,7 +132,7 @@ def test_autoawq_backend_quantizes_and_vllm_cpu_evaluates(tmp_path: Path, awq_re
     cfg = base.model_copy(update={"registry": str(registry), "work_dir": tmp_path / "work"})
     source = json.loads(json.dumps(awq_registry_template["report"].source))  # type: ignore[attr-defined]
     plan = Plan(source=SourceInput(source=source["path"]), model_name="demo",
-                variants=variants_from_flags(awq=True, awq_backend="autoawq", awq_opts=AWQ_TEST_OPTS),
+                variants=variants_from_flags(awq=True, awq_backend="autoawq", awq_opts=AUTOAWQ_TEST_OPTS),
                 eval=awq_eval_spec(speed=False))  # type: ignore[arg-type]
     report = convert_flow(plan, cfg)
     (out,) = report.variants
