@@ -23,7 +23,12 @@ $(STAMP): $(BIN)/python pyproject.toml requirements/core.lock requirements/llama
 	$(BIN)/python scripts/bootstrap_llama_cpp.py $(BIN)/python
 	touch $@
 
+# Managed tool environments (pipeline/envs.py): built once under $(QUANTYARD_CACHE_DIR)/envs, keyed by the
+# hash of requirements/envs/*.txt; a warm `quantyard env ensure` only reads their markers.
+TOOL_ENVS ?= awq autoawq vllm
+
 setup: $(STAMP) postgres browser
+	$(BIN)/quantyard env ensure $(TOOL_ENVS)
 
 # A real PostgreSQL (Debian's packages) for the registry tests; apt-get runs only when it is missing.
 postgres:

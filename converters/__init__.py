@@ -8,6 +8,7 @@ from typing import Any
 
 CONVERTERS: dict[str, str] = {
     "gguf": "converters.gguf:GGUFConverter",
+    "awq": "converters.awq:AWQConverter",
 }
 
 

@@ -12,11 +12,19 @@ from typing import Any
 
 EVALUATORS: dict[str, str] = {
     "llama.cpp": "evaluators.llamacpp:LlamaCppEvaluator",
+    "vllm": "evaluators.vllm:VLLMEvaluator",
+    "transformers": "evaluators.crosscheck:TransformersCheckEvaluator",
 }
 
 #: Which engine evaluates each format by default.
 DEFAULT_ENGINE: dict[str, str] = {
     "gguf": "llama.cpp",
+    "awq": "vllm",
+}
+
+#: A second, independent engine run on the same file after the default one (see evaluators/crosscheck.py).
+CROSS_CHECK_ENGINE: dict[str, str] = {
+    "awq": "transformers",
 }
 
 #: A reference engine that stands in (and says so) when the default engine cannot run here.

@@ -51,10 +51,13 @@ class EvalOutcome:
     speed: dict[str, Any] | None
     wall_s: float
     fallback: str | None = None  # set when a reference engine stood in for the real one
+    environment: dict[str, Any] | None = None  # the tool environment (EnvInfo.lineage(): exact pip freeze)
 
     def records(self) -> list[dict[str, Any]]:
-        """Registry result records (one for quality, one for speed)."""
-        base = {"engine": self.engine, "engine_version": self.engine_version, "hardware": self.hardware,
+        """Registry result records (one for quality, one for speed); a tool environment's record
+        (exact ``pip freeze``) is kept with the hardware it ran on."""
+        hardware = {**self.hardware, "environment": self.environment} if self.environment else self.hardware
+        base = {"engine": self.engine, "engine_version": self.engine_version, "hardware": hardware,
                 "status": "ok", "wall_s": self.wall_s}
         out = []
         if self.quality is not None:

@@ -133,6 +133,30 @@ def _evaluate_one(plan: Plan, settings: Settings, report: ConvertReport, out: Va
     report.events.append(f"evaluate:{out.variant}")
     out.eval_status, out.quality, out.speed = "ok", outcome.quality, outcome.speed
     out.engine_version = outcome.engine_version
+    _cross_check(plan, settings, report, out, windows, ws_meta, reference)
+
+
+def _cross_check(plan: Plan, settings: Settings, report: ConvertReport, out: VariantOutcome, windows: Any,
+                 ws_meta: dict[str, Any], reference: Any) -> None:
+    """A second engine on the same file (AWQ: transformers), recorded as its own result."""
+    from evaluators import CROSS_CHECK_ENGINE, get_evaluator
+    from registry import open_registry
+
+    engine = CROSS_CHECK_ENGINE.get(out.format)
+    if engine is None or not plan.eval.cross_check:
+        return
+    spec = open_registry(settings.registry).get_version(out.ref).spec
+    if get_evaluator(engine).skip_reason(spec):
+        report.events.append(f"cross_check_skipped:{out.variant}")
+        return
+    try:
+        with _timed(report, "cross_check"), stage("cross-check", out.variant):
+            evaluate_task(settings, out.ref, out.format, windows, ws_meta, reference, plan.eval, engine)
+    except QuantyardError as exc:
+        report.events.append(f"cross_check_failed:{out.variant}")
+        out.eval_error = f"cross-check on {engine}: {type(exc).__name__}: {exc.message}"
+        return
+    report.events.append(f"cross_check:{out.variant}")
 
 
 def _fill_from_results(out: VariantOutcome, version: Any, engine: str, ws_id: str) -> None:

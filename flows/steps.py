@@ -304,14 +304,14 @@ def has_quality_result(version: VersionView, engine: str, window_set_id: str) ->
 
 
 def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_meta: dict[str, Any],
-                     reference: Path, spec: EvalSpec) -> EvalOutcome:
-    """Evaluate one registered version on its format's engine and attach the results.
+                     reference: Path, spec: EvalSpec, engine: str | None = None) -> EvalOutcome:
+    """Evaluate one registered version on ``engine`` (default: its format's engine) and attach the results.
 
     Raises EngineError (after recording a failed result) when the engine fails.
     """
     reg = open_registry(settings)
     version = reg.get_version(ref)
-    engine = DEFAULT_ENGINE[fmt]
+    engine = engine or DEFAULT_ENGINE[fmt]
     evaluator = get_evaluator(engine)
     with scratch_dir(settings) as tmp:
         model_dir = Path(tmp) / "model"

@@ -90,6 +90,14 @@ def convert(
                                              + ", ".join(gguf_type_names()))] = None,
     awq: Annotated[bool, typer.Option("--awq", help="Add a 4-bit AWQ variant.")] = False,
     awq_backend: Annotated[str, typer.Option(help="llmcompressor | autoawq")] = "llmcompressor",
+    awq_bits: Annotated[int, typer.Option(help="AWQ weight bits (4, or 8 with llmcompressor).")] = 4,
+    awq_group_size: Annotated[int, typer.Option(help="AWQ quantization group size (-1: per channel).")] = 128,
+    awq_symmetric: Annotated[bool, typer.Option("--awq-symmetric", help="Symmetric AWQ (default asymmetric).")]
+    = False,
+    awq_calibration: Annotated[str | None, typer.Option(
+        help="AWQ calibration text file, or dataset:NAME[:CONFIG]:SPLIT[:COLUMN] (default: bundled text).")] = None,
+    awq_calibration_samples: Annotated[int, typer.Option(help="AWQ calibration samples.")] = 64,
+    awq_calibration_seq_len: Annotated[int, typer.Option(help="AWQ calibration sample length (tokens).")] = 256,
     exl2: Annotated[str | None, typer.Option(help="Comma-separated EXL2 bits per weight, e.g. 4.0,6.0")] = None,
     name: Annotated[str | None, typer.Option(help="Model name in the registry (default: folder or hub id).")] = None,
     revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit (pinned to its SHA).")] = None,
@@ -130,16 +138,20 @@ def convert(
         Plan,
         SourceInput,
         SpeedSpec,
+        awq_options,
         parse_gguf_base,
         parse_split_size,
         variants_from_flags,
     )
 
+    awq_opts = awq_options(awq_bits, awq_group_size, awq_symmetric, awq_calibration, awq_calibration_samples,
+                           awq_calibration_seq_len) if awq else None
     plan = Plan(
         source=SourceInput(source=source, revision=revision, allow_pickle=allow_pickle,
                            trust_remote_code=trust_remote_code),
         model_name=name,
-        variants=variants_from_flags(gguf=gguf, awq=awq, awq_backend=awq_backend, exl2=exl2, imatrix=imatrix),
+        variants=variants_from_flags(gguf=gguf, awq=awq, awq_backend=awq_backend, exl2=exl2, imatrix=imatrix,
+                                     awq_opts=awq_opts),
         eval=EvalSpec(enabled=not no_eval, text_file=str(eval_text) if eval_text else None, dataset=eval_dataset,
                       window=window,
                       stride=stride, max_windows=max_windows, top_k=top_k,
@@ -317,6 +329,7 @@ def _train_progress() -> Callable[[int, int, float], None]:
 @handle_errors
 def demo(registry: RegistryOpt = None, gguf: Annotated[str, typer.Option(help="GGUF types to build.")]
          = "Q8_0,Q6_K,Q4_K_M,Q3_K_M,Q2_K", threads: Annotated[int | None, typer.Option()] = None,
+         awq: Annotated[bool, typer.Option("--awq/--no-awq", help="Add the AWQ variant (vLLM).")] = True,
          as_json: JsonOpt = False) -> None:
     """Build (or reuse) the demo checkpoint and run the main flow on it."""
     from pipeline.demo_model import cached_demo_model
@@ -324,13 +337,19 @@ def demo(registry: RegistryOpt = None, gguf: Annotated[str, typer.Option(help="G
 
     cfg = settings(registry, threads=threads)
     path = cached_demo_model(cfg.cache_dir, progress=_train_progress())
-    plan = Plan(source=SourceInput(source=str(path)), model_name="demo", variants=variants_from_flags(gguf=gguf))
+    # The demo's AWQ calibration is smaller than the default (64 x 256 tokens) to keep `make demo` short.
+    plan = Plan(source=SourceInput(source=str(path)), model_name="demo", variants=variants_from_flags(
+        gguf=gguf, awq=awq, awq_opts={"calibration_samples": 32, "calibration_seq_len": 128}))
     run_plan(plan, cfg, as_json)
 
 
 from pipeline import cli_registry  # noqa: E402 - registry commands live in their own module
 
 cli_registry.register(app)
+
+from pipeline.cli_env import env_app  # noqa: E402 - registered after handle_errors exists
+
+app.add_typer(env_app, name="env")
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -62,6 +62,15 @@ class Settings(BaseSettings):
                                       description="HF cache for hub snapshots (default: HF_HOME/hub).")
     hf_offline: bool = Field(default=False, validation_alias=AliasChoices("hf_offline", "HF_HUB_OFFLINE"),
                              description="Use only snapshots already in the HF cache.")
+    # Managed tool environments (pipeline/envs.py): where they live, which accelerator to build them for,
+    # and interpreters the user already has that replace a managed environment.
+    envs_dir: Path | None = Field(default=None, description="Managed tool environments (default: CACHE_DIR/envs).")
+    accelerator: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Which build of a tool environment to use; auto = cuda when nvidia-smi works.")
+    awq_python: str | None = Field(default=None, description="Interpreter with llm-compressor (replaces env awq).")
+    autoawq_python: str | None = Field(default=None, description="Interpreter with AutoAWQ (replaces env autoawq).")
+    vllm_python: str | None = Field(default=None, description="Interpreter with vLLM (replaces env vllm).")
+    exl2_python: str | None = Field(default=None, description="Interpreter with ExLlamaV2 (replaces env exl2).")
     engine_timeout_s: float = Field(default=6 * 3600, gt=0)
     disk_headroom_mb: int = Field(default=64, ge=0,
                                   description="Free space kept in reserve when checking a write will fit.")
@@ -76,6 +85,10 @@ class Settings(BaseSettings):
     @property
     def work_root(self) -> Path:
         return self.work_dir if self.work_dir is not None else self.cache_dir / "work"
+
+    @property
+    def envs_root(self) -> Path:
+        return self.envs_dir if self.envs_dir is not None else self.cache_dir / "envs"
 
     @property
     def llama_cpp_tools_dir(self) -> Path:

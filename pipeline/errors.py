@@ -147,6 +147,17 @@ class ToolchainMissingError(QuantyardError, FileNotFoundError):
     code = "toolchain_missing"
 
 
+class EnvironmentBuildError(QuantyardError, RuntimeError):
+    """A managed tool environment could not be created, installed or checked."""
+
+    code = "environment_build_failed"
+    exit_code = EXIT_ENGINE
+
+    def __init__(self, message: str, *, log: str = "", hint: str | None = None) -> None:
+        self.stderr_tail = log
+        super().__init__(message, hint=hint)
+
+
 class ConversionError(QuantyardError, RuntimeError):
     code = "conversion_failed"
     exit_code = EXIT_ENGINE

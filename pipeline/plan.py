@@ -6,6 +6,7 @@ tasks receive the plan (JSON-serialisable), never loose arguments.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class EvalSpec(Frozen):
     reference_dtype: str = "float32"
     reference_device: str = "cpu"
     speed: SpeedSpec = SpeedSpec()
+    cross_check: bool = True  # also run the format's cross-check engine (AWQ: transformers), if it has one
 
 
 class SourceInput(Frozen):
@@ -119,15 +121,44 @@ def split_list(text: str | None) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
+def awq_options(bits: int = 4, group_size: int = 128, symmetric: bool = False, calibration: str | None = None,
+                samples: int = 64, seq_len: int = 256) -> dict[str, object]:
+    """AWQSpec fields from CLI flags. A calibration *file* is pinned by its sha256 here, so that a
+    changed file gives a new build key.
+
+    Raises:
+        ConfigError: the calibration file does not exist.
+    """
+    out: dict[str, object] = {"bits": bits, "group_size": group_size, "symmetric": symmetric,
+                              "calibration_samples": samples, "calibration_seq_len": seq_len}
+    if calibration and not calibration.startswith("dataset:"):
+        path = Path(calibration).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"calibration text {path} does not exist",
+                              hint="pass an existing text file, or dataset:NAME[:CONFIG]:SPLIT[:COLUMN]")
+        out["calibration"] = str(path.resolve())
+        out["calibration_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    elif calibration:
+        out["calibration"] = calibration
+    return out
+
+
 def variants_from_flags(gguf: str | None = None, awq: bool = False, awq_backend: str = "llmcompressor",
-                        exl2: str | None = None, imatrix: bool = False) -> tuple[VariantSpec, ...]:
+                        exl2: str | None = None, imatrix: bool = False,
+                        awq_opts: dict[str, object] | None = None) -> tuple[VariantSpec, ...]:
     """Turn ``--gguf Q8_0,Q4_K_M --awq --exl2 4.0,6.0`` into variant specs (validated, de-duplicated)."""
     types = [parse_gguf_type(t).name for t in split_list(gguf)]
     # an importance matrix only matters when quantizing: the unquantized base types never get one
     specs: list[VariantSpec] = [GGUFSpec(type=t, imatrix=imatrix and t not in GGUF_BASE_TYPES) for t in types]
     check_imatrix_types([s for s in specs if isinstance(s, GGUFSpec)])
     if awq:
-        specs.append(AWQSpec(backend=AWQBackend(awq_backend)))
+        try:
+            specs.append(AWQSpec(backend=AWQBackend(awq_backend), **(awq_opts or {})))  # type: ignore[arg-type]
+        except ValueError as exc:
+            if isinstance(exc, InvalidSpecError):
+                raise
+            raise InvalidSpecError(f"invalid AWQ settings: {exc}",
+                                   hint="--awq-backend is llmcompressor or autoawq; --awq-bits is 4 or 8") from exc
     for bpw in split_list(exl2):
         try:
             specs.append(EXL2Spec(bpw=float(bpw)))

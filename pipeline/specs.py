@@ -122,11 +122,32 @@ class GGUFSpec(Frozen):
 
 
 class AWQSpec(Frozen):
+    """A weight-only AWQ variant (activations stay 16/32-bit).
+
+    ``calibration`` is a text file, ``dataset:NAME[:CONFIG]:SPLIT[:COLUMN]`` (needs the optional
+    ``datasets`` package), or None for the bundled calibration text (the checkpoint's
+    ``calibration.txt``, else the built-in held-out calibration split; never the evaluation text).
+    ``calibration_sha256`` pins a calibration file's content (filled when the plan is made), so a
+    changed file gives a new build key. ``calibration_samples`` samples of ``calibration_seq_len``
+    tokens are cut from the tokenized text.
+    """
+
     format: Literal[QuantFormat.AWQ] = QuantFormat.AWQ
-    bits: Literal[4] = 4
+    bits: Literal[4, 8] = 4
     group_size: int = 128
     symmetric: bool = False
     backend: AWQBackend = AWQBackend.LLMCOMPRESSOR
+    calibration: str | None = None
+    calibration_sha256: str | None = None
+    calibration_samples: int = Field(default=64, ge=1, le=4096)
+    calibration_seq_len: int = Field(default=256, ge=16, le=32768)
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size(cls, value: int) -> int:
+        if value != -1 and (value < 16 or value & (value - 1)):
+            raise InvalidSpecError(f"AWQ group size must be a power of two >= 16 (or -1 for per-channel), got {value}")
+        return value
 
     @property
     def name(self) -> str:

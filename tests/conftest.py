@@ -131,3 +131,37 @@ def registry_snapshot(root: Path) -> tuple[str, list[tuple[str, int]]]:
     blobs = sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*")
                    if p.is_file() and "blobs" in p.parts and p.parent.name != "tmp")
     return dump, blobs
+
+
+#: AWQ end to end on CPU, sized for the test budget: 8 calibration samples of 128 tokens, 4 windows,
+#: speed with one repeat and small shapes (the vLLM evaluator caps them further on CPU).
+AWQ_TEST_OPTS: dict[str, object] = {"calibration_samples": 8, "calibration_seq_len": 128}
+
+
+def awq_eval_spec(speed: bool = True) -> object:
+    from pipeline.plan import EvalSpec, SpeedSpec
+
+    return EvalSpec(max_windows=4, speed=SpeedSpec(enabled=speed, repeats=1, prompt_tokens=64, gen_tokens=16,
+                                                   parallel=(8, 32), parallel_prompt_tokens=32,
+                                                   parallel_gen_tokens=16))
+
+
+@pytest.fixture(scope="session")
+def awq_registry_template(tmp_path_factory: pytest.TempPathFactory, demo_model: Path, cache_dir: Path,
+                          prefect_harness: None) -> dict[str, object]:
+    """One real flow: the demo checkpoint to Q4_K_M (llama.cpp) and AWQ (llm-compressor, evaluated by
+    vLLM and cross-checked by transformers), in one registry. Needs the tool environments that
+    `make setup` builds (quantyard env ensure awq autoawq vllm)."""
+    import time
+
+    from flows.quantize import convert_flow
+    from pipeline.plan import Plan, SourceInput, variants_from_flags
+
+    base = tmp_path_factory.mktemp("awq-registry")
+    cfg = make_settings(base / "registry", base / "work", cache_dir)
+    plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
+                variants=variants_from_flags(gguf="Q4_K_M", awq=True, awq_opts=AWQ_TEST_OPTS),
+                eval=awq_eval_spec())  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    report = convert_flow(plan, cfg)
+    return {"registry": base / "registry", "settings": cfg, "report": report, "wall_s": time.perf_counter() - t0}

@@ -1,0 +1,141 @@
+"""AWQ with llm-compressor, run in the ``awq`` tool environment.
+
+``python -m converters.workers.awq_llmcompressor REQUEST.json`` where the request holds
+``model`` (source folder), ``output`` (folder to create), ``calibration`` (npy of int token ids
+[n_samples, seq_len], tokenized by Quantyard with the source's tokenizer), ``bits``,
+``group_size``, ``symmetric``, ``threads``, ``seed`` and ``result`` (where to write the result
+JSON). The recipe is ``AWQModifier(duo_scaling="both")`` followed by a weight-only
+``QuantizationModifier`` on every ``Linear`` except ``lm_head``; the model is saved in
+compressed-tensors ``pack-quantized`` format.
+
+``python -m converters.workers.awq_llmcompressor --patch-check`` reports whether the CPU
+``pin_memory`` patch below is still needed and still applies (tests/converters/test_awq.py
+fails when either stops being true).
+
+Imports only the standard library, numpy and the tool's own stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: The error llm-compressor 0.14 raises on a machine without an accelerator (TOOLCHAINS.md).
+PIN_ERROR = "Cannot access accelerator device when none is available"
+
+
+def _pin_memory_needed() -> tuple[bool, str]:
+    """Call the unpatched ``IntermediatesCache.pin_memory`` on a CPU tensor: does it fail here?"""
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache, IntermediateValue
+
+    cache = IntermediatesCache([{"x": IntermediateValue(value=torch.zeros(2), device=None)}])
+    try:
+        cache.pin_memory(0)
+    except RuntimeError as exc:
+        return PIN_ERROR in str(exc), str(exc)
+    return False, "pin_memory works here"
+
+
+def apply_cpu_pin_memory_patch() -> str:
+    """Make ``IntermediatesCache.pin_memory`` a no-op when no accelerator is available.
+
+    llm-compressor pins cached activations to speed host-to-device copies; with no device,
+    ``Tensor.pin_memory()`` raises. Pinning is only an optimisation, so skipping it changes no
+    number. Returns what was done; raises RuntimeError if the patch target has moved.
+    """
+    import torch
+
+    if torch.accelerator.is_available():
+        return "not applied (accelerator present)"
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if not callable(getattr(IntermediatesCache, "pin_memory", None)):
+        raise RuntimeError("llmcompressor.pipelines.cache.IntermediatesCache.pin_memory no longer exists: "
+                           "the CPU patch no longer applies; re-check TOOLCHAINS.md for this version")
+
+    def _no_pin(self: Any, batch_index: int, input_names: list[str] | None = None) -> None:
+        del self, batch_index, input_names
+
+    IntermediatesCache.pin_memory = _no_pin  # type: ignore[method-assign]
+    return "applied (no accelerator: pin_memory is a no-op)"
+
+
+def patch_check() -> dict[str, Any]:
+    """Whether the patch is needed (the unpatched call fails) and applies (the patched call works)."""
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache, IntermediateValue
+
+    needed, detail = _pin_memory_needed()
+    status = apply_cpu_pin_memory_patch()
+    cache = IntermediatesCache([{"x": IntermediateValue(value=torch.zeros(2), device=None)}])
+    try:
+        cache.pin_memory(0)
+        works = True
+    except RuntimeError as exc:
+        works, detail = False, f"{detail}; after patch: {exc}"
+    return {"needed": needed, "applies": status.startswith("applied") and works, "status": status,
+            "detail": detail, "accelerator": bool(torch.accelerator.is_available())}
+
+
+def _scheme(req: dict[str, Any]) -> dict[str, Any]:
+    """QuantizationModifier arguments: the W4A16_ASYM preset for the default settings, else an
+    explicit weight-only config group with the requested bits, group size and symmetry."""
+    bits, gs, sym = int(req["bits"]), int(req["group_size"]), bool(req["symmetric"])
+    common = {"targets": ["Linear"], "ignore": ["lm_head"]}
+    if (bits, gs, sym) == (4, 128, False):
+        return {**common, "scheme": "W4A16_ASYM"}
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
+               "strategy": "channel" if gs == -1 else "group", **({} if gs == -1 else {"group_size": gs})}
+    return {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}, "ignore": ["lm_head"]}
+
+
+def quantize(req: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(int(req["threads"]))
+    torch.manual_seed(int(req.get("seed", 0)))
+    patch = apply_cpu_pin_memory_patch()
+    ids = np.load(req["calibration"]).astype(np.int64)
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist()})
+    model = AutoModelForCausalLM.from_pretrained(req["model"], dtype="auto", trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(req["model"], trust_remote_code=False)
+    scheme = _scheme(req)
+    recipe = [AWQModifier(duo_scaling="both"), QuantizationModifier(**scheme)]
+    t0 = time.perf_counter()
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=int(ids.shape[1]),
+            num_calibration_samples=int(ids.shape[0]))
+    quant_s = time.perf_counter() - t0
+    out = Path(req["output"])
+    model.save_pretrained(out, save_compressed=True)
+    tokenizer.save_pretrained(out)
+    return {"quantize_s": quant_s, "patch": patch, "scheme": scheme, "n_samples": int(ids.shape[0]),
+            "seq_len": int(ids.shape[1]), "torch": torch.__version__}
+
+
+def main() -> int:
+    if sys.argv[1:] == ["--patch-check"]:
+        print(json.dumps(patch_check()))
+        return 0
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m converters.workers.awq_llmcompressor REQUEST.json | --patch-check")
+    req = json.loads(Path(sys.argv[1]).read_text())
+    result = quantize(req)
+    tmp = Path(req["result"] + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, req["result"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

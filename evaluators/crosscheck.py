@@ -1,0 +1,60 @@
+"""Reference cross-check: transformers evaluates a quantized checkpoint on the same windows.
+
+For AWQ the runner is ``evaluators.runners.hf`` in the ``awq`` tool environment, whose
+transformers + compressed-tensors decompress the checkpoint (``W = (q - z) * s`` per group) and run
+it in float32. That gives a second perplexity of the same file, independent of vLLM's loader and
+kernels; the two must agree (tests/evaluators/test_vllm.py checks within 0.5 %).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from evaluators.base import EvalOutcome, RunnerCommand, run_runner, score
+from pipeline import envs
+from pipeline.config import Settings
+from pipeline.errors import ToolchainMissingError
+from pipeline.plan import EvalSpec
+from pipeline.specs import Engine, QuantFormat
+
+RUNNER = "evaluators.runners.hf"
+ENV = "awq"
+
+
+class TransformersCheckEvaluator:
+    engine: ClassVar[Engine] = Engine.TRANSFORMERS
+    formats: ClassVar[frozenset[QuantFormat]] = frozenset({QuantFormat.AWQ})
+
+    def unavailable_reason(self, settings: Settings) -> str | None:
+        try:
+            envs.python_for(ENV, settings)
+        except ToolchainMissingError as exc:
+            return exc.message
+        return None
+
+    @staticmethod
+    def skip_reason(spec: dict[str, object]) -> str | None:
+        """Why this check does not apply to a variant spec (None: it applies). transformers reads the
+        compressed-tensors layout; the AutoAWQ GEMM layout needs AutoAWQ's kernels, absent there."""
+        if spec.get("backend", "llmcompressor") != "llmcompressor":
+            return "transformers in the awq environment cannot load the AutoAWQ GEMM layout"
+        return None
+
+    def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
+                 out_dir: Path, settings: Settings) -> EvalOutcome:
+        """Score an AWQ folder with transformers (float32, CPU) on the window set; no speed.
+
+        Raises:
+            EngineError: the runner failed (e.g. this transformers cannot load the layout).
+        """
+        env = envs.ensure(ENV, settings)
+        request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
+                   "threads": settings.threads, "dtype": "float32", "device": "cpu", "batch_size": 4}
+        cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
+                            env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
+                           hardware=out.result["hardware"], window_set_id=window_set_id,
+                           quality=score(reference, out, self.engine), speed=None, wall_s=out.wall_s,
+                           environment=env.lineage())

