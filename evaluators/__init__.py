@@ -28,7 +28,9 @@ CROSS_CHECK_ENGINE: dict[str, str] = {
 }
 
 #: A reference engine that stands in (and says so) when the default engine cannot run here.
-FALLBACK_ENGINE: dict[str, str] = {}
+FALLBACK_ENGINE: dict[str, str] = {
+    "awq": "transformers",
+}
 
 
 def get_evaluator(engine: str) -> Any:

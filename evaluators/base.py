@@ -118,6 +118,16 @@ def speed_request(spec: EvalSpec) -> dict[str, Any] | None:
             "parallel_gen_tokens": s.parallel_gen_tokens}
 
 
+def probe_windows(folder: Path) -> Path:
+    """A tiny window file (ids 3..66, no BOS) for loadability probes: any vocabulary has these ids."""
+    from evaluators.windows import cut_windows
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "probe-windows.npz"
+    cut_windows(list(range(3, 67)), window=32, stride=32, bos_id=None).save(path)
+    return path
+
+
 class Evaluator(Protocol):
     """One engine. Implementations are listed in ``evaluators/__init__.py``."""
 
@@ -130,3 +140,7 @@ class Evaluator(Protocol):
 
     def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
                  out_dir: Path, settings: Settings) -> EvalOutcome: ...
+
+    def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
+        """Load the model and run one short window (validate's loadability check)."""
+        ...

@@ -9,9 +9,9 @@ kernels; the two must agree (tests/evaluators/test_vllm.py checks within 0.5 %).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, run_runner, score
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_runner, score
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.errors import ToolchainMissingError
@@ -40,6 +40,17 @@ class TransformersCheckEvaluator:
         if spec.get("backend", "llmcompressor") != "llmcompressor":
             return "transformers in the awq environment cannot load the AutoAWQ GEMM layout"
         return None
+
+    def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
+        """Load the folder with transformers in the awq environment and score one short window."""
+        env = envs.ensure(ENV, settings)
+        request = {"model": str(model), "windows": str(probe_windows(out_dir.parent)), "ref_topk": None, "top_k": 4,
+                   "threads": settings.threads, "dtype": "float32", "device": "cpu", "batch_size": 1}
+        cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
+                            env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        return {"engine": self.engine.value, "engine_version": out.result["engine_version"],
+                "load_and_eval_s": round(out.wall_s, 2)}
 
     def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
                  out_dir: Path, settings: Settings) -> EvalOutcome:

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, run_runner, score, speed_request
-from evaluators.windows import cut_windows
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_runner, score, speed_request
 from pipeline.config import Settings
 from pipeline.plan import EvalSpec
 from pipeline.proc import child_env, with_path_prefix
@@ -42,9 +41,7 @@ class LlamaCppEvaluator:
 
     def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
         """Load the model and run one short window (loadability); returns engine version and timing."""
-        windows = out_dir.parent / "probe-windows.npz"
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        cut_windows(list(range(3, 67)), window=32, stride=32, bos_id=None).save(windows)
+        windows = probe_windows(out_dir.parent)
         out = run_runner(self._command(settings), {"model": str(model), "windows": str(windows), "ref_topk": None,
                                                    "top_k": 4, "threads": settings.threads}, out_dir, 600)
         return {"engine": self.engine.value, "engine_version": out.result["engine_version"],

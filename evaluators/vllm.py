@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, run_runner, score
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_runner, score
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, ToolchainMissingError
@@ -70,6 +70,35 @@ class VLLMEvaluator:
             return exc.message
         return None
 
+    def _run(self, model: Path, windows: Path | None, reference: Path | None, spec: EvalSpec, out_dir: Path,
+             settings: Settings, *, quality: bool = True) -> tuple[Any, Any]:
+        env = envs.ensure("vllm", settings)
+        speed = speed_shape(spec, env.accelerator)
+        window = _window_len(windows) if windows is not None else 32
+        longest = max([window] + ([speed["prompt_tokens"] + speed["gen_tokens"],
+                                   speed["parallel_prompt_tokens"] + speed["parallel_gen_tokens"]] if speed else []))
+        request = {"model": str(model), "windows": str(windows) if quality and windows else None,
+                   "ref_topk": str(reference) if reference else None, "top_k": spec.top_k,
+                   "threads": settings.threads, "speed": speed, "dtype": model_dtype(model, env.accelerator),
+                   "max_model_len": longest + 8, "max_num_seqs": max([8, *spec.speed.parallel]),
+                   "max_num_batched_tokens": max(8192, longest + 8), "logprob_method": "auto"}
+        cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
+                            env=_runner_env(settings, env.accelerator))
+        return run_runner(cmd, request, out_dir, settings.engine_timeout_s), env
+
+    def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
+        """Start vLLM on the folder and score one short window (validate's loadability check)."""
+        spec = EvalSpec(top_k=4, speed=EvalSpec().speed.model_copy(update={"enabled": False}))
+        out, _ = self._run(model, probe_windows(out_dir.parent), None, spec, out_dir, settings)
+        return {"engine": self.engine.value, "engine_version": out.result["engine_version"],
+                "load_and_eval_s": round(out.wall_s, 2), "wna16_kernel": out.result.get("wna16_kernel")}
+
+    def measure_speed(self, model: Path, *, spec: EvalSpec, out_dir: Path,
+                      settings: Settings) -> tuple[dict[str, Any], dict[str, Any], str]:
+        """Speed only (no quality pass): returns (speed metrics, hardware, engine version)."""
+        out, _ = self._run(model, None, None, spec, out_dir, settings, quality=False)
+        return out.result["speed"], out.result["hardware"], out.result["engine_version"]
+
     def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
                  out_dir: Path, settings: Settings) -> EvalOutcome:
         """Score an AWQ folder on the window set with vLLM, then time it.
@@ -78,18 +107,7 @@ class VLLMEvaluator:
             EngineError: the runner crashed, was killed, timed out or wrote no result.
             EnvironmentBuildError / ToolchainMissingError: the vllm environment is not usable.
         """
-        env = envs.ensure("vllm", settings)
-        speed = speed_shape(spec, env.accelerator)
-        window = _window_len(windows)
-        longest = max([window] + ([speed["prompt_tokens"] + speed["gen_tokens"],
-                                   speed["parallel_prompt_tokens"] + speed["parallel_gen_tokens"]] if speed else []))
-        request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
-                   "threads": settings.threads, "speed": speed, "dtype": model_dtype(model, env.accelerator),
-                   "max_model_len": longest + 8, "max_num_seqs": max([8, *spec.speed.parallel]),
-                   "max_num_batched_tokens": max(8192, longest + 8), "logprob_method": "auto"}
-        cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
-                            env=_runner_env(settings, env.accelerator))
-        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        out, env = self._run(model, windows, reference, spec, out_dir, settings)
         quality = score(reference, out, self.engine)
         return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
                            hardware=out.result["hardware"], window_set_id=window_set_id, quality=quality,
