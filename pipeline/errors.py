@@ -23,9 +23,12 @@ class QuantyardError(Exception):
 
     code: str = "quantyard_error"
     exit_code: int = EXIT_USAGE
+    #: What to do, when the raiser has nothing more specific to say. Every error must say what to do.
+    default_hint: str | None = None
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         self.message = message
+        hint = hint if hint is not None else self.default_hint
         self.hint = hint
         super().__init__(message if hint is None else f"{message}\n  → {hint}")
 
@@ -38,6 +41,7 @@ class QuantyardError(Exception):
 
 class SourceNotFoundError(QuantyardError, FileNotFoundError):
     code = "source_not_found"
+    default_hint = 'pass an existing checkpoint folder, or a hub id OWNER/NAME with --revision'
 
 
 class SourceAccessError(QuantyardError, PermissionError):
@@ -50,10 +54,12 @@ class InvalidCheckpointError(QuantyardError, ValueError):
     """The source exists but is not a loadable Hugging Face causal-LM checkpoint."""
 
     code = "invalid_checkpoint"
+    default_hint = 'fix or re-download the checkpoint (save it with save_pretrained(), safetensors)'
 
 
 class UnsupportedArchitectureError(QuantyardError, ValueError):
     code = "unsupported_architecture"
+    default_hint = 'convert a checkpoint of a supported architecture'
 
     def __init__(self, message: str, *, supported: list[str], hint: str | None = None) -> None:
         self.supported = supported
@@ -64,10 +70,12 @@ class TokenizerUnsupportedError(QuantyardError, ValueError):
     """The checkpoint's tokenizer cannot be represented by the target format."""
 
     code = "tokenizer_unsupported"
+    default_hint = 'use a checkpoint whose tokenizer the target format supports'
 
 
 class TokenizerMismatchError(QuantyardError, ValueError):
     code = "tokenizer_mismatch"
+    default_hint = 'fix the tokenizer files, or pass --allow-tokenizer-mismatch (recorded in the lineage)'
 
     def __init__(self, message: str, *, position: int, expected: list[int], found: list[int],
                  hint: str | None = None) -> None:
@@ -81,16 +89,19 @@ class InvalidArtifactError(QuantyardError, ValueError):
     """A quantized file or folder (GGUF, AWQ, EXL2) is malformed."""
 
     code = "invalid_artifact"
+    default_hint = 're-create or re-download the quantized files'
 
 
 class UnsafeSourceError(QuantyardError, PermissionError):
     """Pickle weights, remote code, or paths escaping the source, refused by default."""
 
     code = "unsafe_source"
+    default_hint = 'review the source; only override with the matching --allow/--trust flag if you trust it'
 
 
 class UnknownQuantTypeError(QuantyardError, ValueError):
     code = "unknown_quant_type"
+    default_hint = 'run `quantyard convert --help` for the list of types'
 
     def __init__(self, message: str, *, known: list[str], hint: str | None = None) -> None:
         self.known = known
@@ -99,10 +110,12 @@ class UnknownQuantTypeError(QuantyardError, ValueError):
 
 class InvalidSpecError(QuantyardError, ValueError):
     code = "invalid_spec"
+    default_hint = 'check the command line or recipe against `quantyard convert --help`'
 
 
 class UnknownFormatError(QuantyardError, KeyError):
     code = "unknown_format"
+    default_hint = 'use one of the formats or engines listed in the message'
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return Exception.__str__(self)
@@ -113,29 +126,36 @@ class UnknownFormatError(QuantyardError, KeyError):
 
 class RegistryError(QuantyardError, RuntimeError):
     code = "registry_error"
+    default_hint = ("check the registry location (--registry / QUANTYARD_REGISTRY); "
+                    "`quantyard registry verify` diagnoses it")
 
 
 class RegistryPathError(RegistryError, NotADirectoryError):
     code = "registry_path"
+    default_hint = 'point --registry / QUANTYARD_REGISTRY at a folder or a sqlite:/// or postgresql:// URI'
 
 
 class NotFoundError(RegistryError, LookupError):
     code = "not_found"
+    default_hint = 'list what exists with `quantyard models` and `quantyard variants MODEL`'
 
 
 class IllegalTransitionError(RegistryError, ValueError):
     code = "illegal_transition"
+    default_hint = 'see the allowed transitions in the message'
 
 
 class IntegrityError(RegistryError, ValueError):
     """Bytes on disk do not match the digest the registry recorded."""
 
     code = "integrity_error"
+    default_hint = 'run `quantyard registry verify --deep` to list damaged versions; restore or rebuild them'
     exit_code = EXIT_CHECK_FAILED
 
 
 class InvalidReferenceError(QuantyardError, ValueError):
     code = "invalid_reference"
+    default_hint = 'write references as MODEL/VARIANT[@VERSION|@ALIAS]'
 
 
 # --- running tools -------------------------------------------------------------------------------
@@ -145,6 +165,7 @@ class ToolchainMissingError(QuantyardError, FileNotFoundError):
     """A tool Quantyard drives (llama.cpp converter, a managed env) is not installed."""
 
     code = "toolchain_missing"
+    default_hint = 'run `make setup` (or `quantyard env ensure NAME`)'
 
 
 class EnvironmentBuildError(QuantyardError, RuntimeError):
@@ -160,6 +181,7 @@ class EnvironmentBuildError(QuantyardError, RuntimeError):
 
 class ConversionError(QuantyardError, RuntimeError):
     code = "conversion_failed"
+    default_hint = 'read the tool log named in the message'
     exit_code = EXIT_ENGINE
 
     def __init__(self, message: str, *, stderr_tail: str = "", hint: str | None = None) -> None:
@@ -171,6 +193,7 @@ class EngineError(QuantyardError, RuntimeError):
     """An inference engine runner crashed, ran out of memory, timed out or answered garbage."""
 
     code = "engine_error"
+    default_hint = 'read the runner log named in the message; other variants are unaffected'
     exit_code = EXIT_ENGINE
 
     def __init__(self, message: str, *, engine: str, returncode: int | None = None,
@@ -199,3 +222,4 @@ class DiskFullError(QuantyardError, OSError):
 
 class ConfigError(QuantyardError, ValueError):
     code = "config_error"
+    default_hint = 'fix the setting or file named in the message'

@@ -213,6 +213,7 @@ class LocalBlobStore(StreamingMixin):
             return self._put_stream(fh, expected_size=size)
 
     def _new_temp(self) -> Path:
+        self.tmp.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=self.tmp, suffix=".incomplete")
         os.close(fd)
         return Path(name)

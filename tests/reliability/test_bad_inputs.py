@@ -69,6 +69,22 @@ def _names(path: Path) -> list[str]:
     return [k for k in json.loads(raw[8:8 + n]) if k != "__metadata__"]
 
 
+def _renamed(ckpt: Path, old: str, new: str) -> Path:
+    (ckpt / old).rename(ckpt / new)
+    return ckpt
+
+
+def _without(ckpt: Path, *names: str) -> Path:
+    for name in names:
+        (ckpt / name).unlink()
+    return ckpt
+
+
+def _written(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
 def _file_instead_of_folder(tmp: Path, demo: Path) -> Path:
     f = tmp / "model.safetensors"
     f.write_bytes((demo / "model.safetensors").read_bytes()[:1000])
@@ -113,8 +129,8 @@ CONVERT_CASES: dict[str, tuple[Make, str, str]] = {
                     "UnsafeSourceError", "remote code"),
     "no-weights": (lambda t, d: (_copy(t, d) / "model.safetensors").unlink() or t / "m", "InvalidCheckpointError",
                    "no weights"),
-    "pickle-weights": (lambda t, d: (_copy(t, d) / "model.safetensors").rename(t / "m" / "pytorch_model.bin")
-                       or t / "m", "UnsafeSourceError", "--allow-pickle"),
+    "pickle-weights": (lambda t, d: _renamed(_copy(t, d), "model.safetensors", "pytorch_model.bin"),
+                       "UnsafeSourceError", "--allow-pickle"),
     "truncated-half": (lambda t, d: truncate(_copy(t, d) / "model.safetensors", 10_000_000) or t / "m",
                        "InvalidCheckpointError", "truncated"),
     "truncated-in-header": (lambda t, d: truncate(_copy(t, d) / "model.safetensors", 100) or t / "m",
@@ -139,8 +155,8 @@ CONVERT_CASES: dict[str, tuple[Make, str, str]] = {
                         "InvalidCheckpointError", "config.json implies"),
     "missing-tensor": (lambda t, d: _drop_tensor(_copy(t, d), "model.layers.2.self_attn.q_proj.weight"),
                        "InvalidCheckpointError", "missing"),
-    "missing-tokenizer": (lambda t, d: [(_copy(t, d) / n).unlink() for n in ("tokenizer.model", "tokenizer.json")]
-                          and t / "m", "InvalidCheckpointError", "no tokenizer"),
+    "missing-tokenizer": (lambda t, d: _without(_copy(t, d), "tokenizer.model", "tokenizer.json"),
+                          "InvalidCheckpointError", "no tokenizer"),
     "corrupt-tokenizer": (lambda t, d: [(_copy(t, d) / "tokenizer.json").write_text("{broken"),
                                         (t / "m" / "tokenizer.model").write_bytes(b"\x00garbage")] and t / "m",
                           "InvalidCheckpointError", "tokenizer"),
@@ -224,8 +240,7 @@ ARTIFACT_CASES: dict[str, tuple[Callable[[Path, Path], Path], str, str]] = {
     "gguf-empty": (lambda reg, t: (t / "x.gguf").write_bytes(b"") or t / "x.gguf", "InvalidArtifactError",
                    "bad magic"),
     "awq-missing-field": (lambda reg, t: _awq_missing_field(t), "InvalidArtifactError", "zero_point"),
-    "not-a-quant": (lambda reg, t: (t / "notes.txt").write_text("hi") or t / "notes.txt", "InvalidSpecError",
-                    "neither a GGUF"),
+    "not-a-quant": (lambda reg, t: _written(t / "notes.txt", "hi"), "InvalidSpecError", "neither a GGUF"),
 }
 
 

@@ -44,7 +44,7 @@ def test_blob_write_hitting_enospc_leaves_nothing(small_fs: Path) -> None:
     with pytest.raises(DiskFullError) as info:
         store._put_stream(io.BytesIO(os.urandom(1 << 20) * 64))  # 64 MiB into a 40 MiB filesystem
     assert str(small_fs / "blobs") in str(info.value)
-    assert not _incomplete(small_fs) and not list(store.list_digests())
+    assert not _incomplete(small_fs) and not list(store.list_blobs())
 
 
 def test_convert_on_a_full_disk(small_fs: Path, demo_model: Path, tmp_path: Path) -> None:
