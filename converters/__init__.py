@@ -8,6 +8,7 @@ from typing import Any
 
 CONVERTERS: dict[str, str] = {
     "gguf": "converters.gguf:GGUFConverter",
+    "exl2": "converters.exl2:EXL2Converter",
 }
 
 

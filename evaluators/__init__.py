@@ -12,11 +12,19 @@ from typing import Any
 
 EVALUATORS: dict[str, str] = {
     "llama.cpp": "evaluators.llamacpp:LlamaCppEvaluator",
+    "exllamav2": "evaluators.exl2:ExLlamaV2Evaluator",
+    "exl2-reference": "evaluators.exl2:EXL2ReferenceEvaluator",
 }
 
 #: Which engine evaluates each format by default.
 DEFAULT_ENGINE: dict[str, str] = {
     "gguf": "llama.cpp",
+    "exl2": "exllamav2",
+}
+
+#: The engine that stands in when the default cannot run here (labelled as such in every result).
+FALLBACK_ENGINE: dict[str, str] = {
+    "exl2": "exl2-reference",
 }
 
 
@@ -34,3 +42,15 @@ def get_evaluator(engine: str) -> Any:
         known = ", ".join(sorted(EVALUATORS))
         raise UnknownFormatError(f"no evaluator for engine {engine!r}; known: {known}") from None
     return getattr(import_module(module), cls)()
+
+
+def engine_for(fmt: str, settings: Any) -> tuple[str, str | None]:
+    """The engine that evaluates ``fmt`` here, and why a fallback stands in (None when it does not)."""
+    engine = DEFAULT_ENGINE[fmt]
+    fallback = FALLBACK_ENGINE.get(fmt)
+    if fallback is None:
+        return engine, None
+    reason = get_evaluator(engine).unavailable_reason(settings)
+    if reason is None:
+        return engine, None
+    return fallback, f"{fallback} stands in for {engine}: {reason}"

@@ -47,9 +47,8 @@ def _plan_builds(plan: Plan, settings: Settings, resolved: steps.Resolved, repor
     """Compute build keys; keep only variants not already registered with the same key."""
     todo: dict[str, list[tuple[Any, str]]] = {}
     for fmt, specs in plan.by_format().items():
-        tool = steps.make_converter(fmt, plan, settings).tool_identity()
         for spec in specs:
-            key = steps.build_key(resolved.source, spec, tool)
+            key = steps.build_key(resolved.source, spec, steps.tool_identity(fmt, plan, settings, spec))
             existing = None if plan.force else steps.find_existing(settings, resolved, spec, key)
             if existing is not None:
                 out = outcomes[spec.name]
@@ -109,11 +108,11 @@ def _evaluate_all(plan: Plan, settings: Settings, resolved: steps.Resolved, repo
 
 def _evaluate_one(plan: Plan, settings: Settings, report: ConvertReport, out: VariantOutcome,
                   windows: Any, ws_meta: dict[str, Any], reference: Any) -> None:
-    from evaluators import DEFAULT_ENGINE
+    from evaluators import engine_for
     from registry import open_registry
 
     assert out.ref is not None
-    engine = DEFAULT_ENGINE[out.format]
+    engine, _ = engine_for(out.format, settings)
     version = open_registry(settings.registry).get_version(out.ref)
     out.engine = engine
     if steps.has_quality_result(version, engine, str(ws_meta["id"])):
@@ -157,6 +156,7 @@ def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
 
     t0 = time.perf_counter()
     open_registry(settings.registry)  # a bad registry location fails before any work is done
+    plan = steps.resolve_backends(plan, settings)
     with stage("resolve", plan.source.source):
         resolved = resolve_task(plan, settings)
     src = resolved.source

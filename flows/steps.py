@@ -12,16 +12,16 @@ import platform
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from converters import converter_class
-from converters.base import BuildContext, BuiltVariant, Prepared
+from converters.base import BuildContext, BuiltVariant, Calibration, Prepared
 from converters.checkpoint import Checkpoint, load_checkpoint
 from converters.source import resolve_source
-from evaluators import DEFAULT_ENGINE, get_evaluator
+from evaluators import engine_for, get_evaluator
 from evaluators.base import EvalOutcome
 from evaluators.reference import reference_key, run_reference
 from evaluators.windows import build_window_set
@@ -77,6 +77,22 @@ def make_converter(fmt: str, plan: Plan, settings: Settings) -> Any:
     return cls(settings)
 
 
+def resolve_backends(plan: Plan, settings: Settings) -> Plan:
+    """Give every spec that leaves its backend open a concrete one (EXL2: exllamav2 where CUDA and
+    ExLlamaV2 are present, else reference-cpu), so names, build keys and lineage say which built it."""
+    variants = []
+    for spec in plan.variants:
+        conv = make_converter(spec.format.value, plan, settings)
+        variants.append(conv.resolve_spec(spec) if hasattr(conv, "resolve_spec") else spec)
+    return plan.model_copy(update={"variants": tuple(variants)})
+
+
+def tool_identity(fmt: str, plan: Plan, settings: Settings, spec: Any) -> dict[str, Any]:
+    """The tool versions that build ``spec`` (per spec where a format has several backends)."""
+    conv = make_converter(fmt, plan, settings)
+    return conv.tool_identity_for(spec) if hasattr(conv, "tool_identity_for") else conv.tool_identity()
+
+
 def build_key(source: SourceRef, spec: Any, tool: dict[str, Any]) -> str:
     """Cache key of one variant build: source identity, spec, exact tool versions, quantyard version."""
     payload = json.dumps({"source": source.identity, "spec": spec.model_dump(mode="json"), "tool": tool,
@@ -89,16 +105,34 @@ def find_existing(settings: Settings, resolved: Resolved, spec: Any, key: str) -
     return reg.find_build(resolved.model_name, spec.name, key)
 
 
+def _context(resolved: Resolved, settings: Settings) -> BuildContext:
+    text, origin = calibration_text(resolved)
+    return BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
+                        settings=settings, calibration=Calibration(text=text, origin=origin))
+
+
 def prepare_format(fmt: str, plan: Plan, resolved: Resolved, specs: list[Any], settings: Settings) -> Prepared:
-    ctx = BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
-                       settings=settings)
-    return make_converter(fmt, plan, settings).prepare(ctx, specs)
+    """Shared work of a format (GGUF base, EXL2 measurement). Source artifacts the converter can reuse
+    are looked up in the registry first; the ones it produced are registered after."""
+    conv = make_converter(fmt, plan, settings)
+    ctx = _context(resolved, settings)
+    reg = open_registry(settings.registry)
+    found = {}
+    for kind, key in (conv.artifact_keys(ctx, specs) if hasattr(conv, "artifact_keys") else []):
+        art = reg.find_source_artifact(resolved.source, kind, key)
+        if art is not None:
+            found[f"{kind}:{key}"] = reg.artifact_path(art)
+    prepared: Prepared = conv.prepare(replace(ctx, artifacts=found), specs)
+    for art in prepared.source_artifacts:
+        reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
+                                source=resolved.source, kind=art["kind"], key=art["key"], name=art["name"],
+                                path=Path(art["path"]), meta=art["meta"])
+    return prepared
 
 
 def build_variant(fmt: str, plan: Plan, resolved: Resolved, prepared: Prepared, spec: Any,
                   settings: Settings, staging: Path) -> BuiltVariant:
-    ctx = BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
-                       settings=settings)
+    ctx = _context(resolved, settings)
     return make_converter(fmt, plan, settings).build(ctx, prepared, spec, staging / spec.name)
 
 
@@ -236,7 +270,7 @@ def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_m
     """
     reg = open_registry(settings.registry)
     version = reg.get_version(ref)
-    engine = DEFAULT_ENGINE[fmt]
+    engine, fallback = engine_for(fmt, settings)
     evaluator = get_evaluator(engine)
     with tempfile.TemporaryDirectory(dir=_tmp_root(settings)) as tmp:
         model_dir = Path(tmp) / "model"
@@ -250,6 +284,7 @@ def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_m
             reg.add_result(ref, {"kind": "quality", "engine": engine, "status": "failed",
                                  "window_set_id": ws_meta["id"], "error": _error_text(exc)})
             raise
+    outcome.fallback = outcome.fallback or fallback
     for record in outcome.records():
         reg.add_result(version.ref, record)
     return outcome

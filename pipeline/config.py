@@ -45,6 +45,7 @@ class Settings(BaseSettings):
                                   "(default: CACHE_DIR/llama.cpp/<version>, filled by make setup).")
     core_python: str = Field(default=sys.executable,
                              description="Interpreter that runs the converter and llama.cpp subprocesses.")
+    exl2_python: str | None = Field(default=None, description="Interpreter with ExLlamaV2 (replaces env exl2).")
     engine_timeout_s: float = Field(default=6 * 3600, gt=0)
     convert_timeout_s: float = Field(default=24 * 3600, gt=0)
 

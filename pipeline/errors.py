@@ -126,6 +126,12 @@ class InvalidReferenceError(QuantyardError, ValueError):
     code = "invalid_reference"
 
 
+class EXL2FormatError(QuantyardError, ValueError):
+    """EXL2 tensors that do not follow exllamav2's layout (bad groups, sizes, codes or permutation)."""
+
+    code = "exl2_format"
+
+
 # --- running tools -------------------------------------------------------------------------------
 
 

@@ -12,7 +12,16 @@ import yaml
 from pydantic import Field, ValidationError
 
 from pipeline.errors import ConfigError, InvalidSpecError
-from pipeline.specs import AWQBackend, AWQSpec, EXL2Spec, Frozen, GGUFSpec, VariantSpec, parse_gguf_type
+from pipeline.specs import (
+    AWQBackend,
+    AWQSpec,
+    EXL2Backend,
+    EXL2Spec,
+    Frozen,
+    GGUFSpec,
+    VariantSpec,
+    parse_gguf_type,
+)
 
 
 class SpeedSpec(Frozen):
@@ -67,22 +76,39 @@ def split_list(text: str | None) -> list[str]:
 
 
 def variants_from_flags(gguf: str | None = None, awq: bool = False, awq_backend: str = "llmcompressor",
-                        exl2: str | None = None, imatrix: bool = False) -> tuple[VariantSpec, ...]:
+                        exl2: str | None = None, imatrix: bool = False, exl2_backend: str = "auto",
+                        exl2_head_bits: int = 6) -> tuple[VariantSpec, ...]:
     """Turn ``--gguf Q8_0,Q4_K_M --awq --exl2 4.0,6.0`` into variant specs (validated, de-duplicated)."""
     specs: list[VariantSpec] = [GGUFSpec(type=parse_gguf_type(t).name, imatrix=imatrix) for t in split_list(gguf)]
     if awq:
         specs.append(AWQSpec(backend=AWQBackend(awq_backend)))
+    backend = _exl2_backend(exl2_backend)
     for bpw in split_list(exl2):
         try:
-            specs.append(EXL2Spec(bpw=float(bpw)))
-        except (ValueError, ValidationError) as exc:
+            value = float(bpw)
+        except ValueError as exc:
             raise InvalidSpecError(f"invalid EXL2 bits per weight {bpw!r}: expected a number in 2.0..8.0") from exc
+        try:
+            specs.append(EXL2Spec(bpw=value, head_bits=exl2_head_bits, backend=backend))
+        except ValidationError as exc:
+            raise InvalidSpecError(f"invalid EXL2 variant {bpw!r} (head bits {exl2_head_bits}): expected bits per "
+                                   "weight in 2.0..8.0 and head bits in 2,3,4,5,6,8") from exc
     seen: dict[str, VariantSpec] = {}
     for s in specs:
         seen.setdefault(s.name, s)
     if not seen:
         raise InvalidSpecError("no variants requested", hint="pass --gguf TYPES, --awq and/or --exl2 BPWS")
     return tuple(seen.values())
+
+
+def _exl2_backend(name: str) -> EXL2Backend | None:
+    if name == "auto":
+        return None
+    try:
+        return EXL2Backend(name)
+    except ValueError:
+        known = ", ".join(["auto", *(b.value for b in EXL2Backend)])
+        raise InvalidSpecError(f"unknown EXL2 backend {name!r}: expected one of {known}") from None
 
 
 def load_recipe(path: Path) -> dict[str, object]:
