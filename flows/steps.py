@@ -80,11 +80,12 @@ def make_converter(fmt: str, plan: Plan, settings: Settings) -> Any:
 def resolve_backends(plan: Plan, settings: Settings) -> Plan:
     """Give every spec that leaves its backend open a concrete one (EXL2: exllamav2 where CUDA and
     ExLlamaV2 are present, else reference-cpu), so names, build keys and lineage say which built it."""
-    variants = []
+    variants: dict[str, Any] = {}
     for spec in plan.variants:
         conv = make_converter(spec.format.value, plan, settings)
-        variants.append(conv.resolve_spec(spec) if hasattr(conv, "resolve_spec") else spec)
-    return plan.model_copy(update={"variants": tuple(variants)})
+        concrete = conv.resolve_spec(spec) if hasattr(conv, "resolve_spec") else spec
+        variants.setdefault(concrete.name, concrete)  # "auto" and an explicit backend may now coincide
+    return plan.model_copy(update={"variants": tuple(variants.values())})
 
 
 def tool_identity(fmt: str, plan: Plan, settings: Settings, spec: Any) -> dict[str, Any]:

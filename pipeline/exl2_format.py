@@ -134,10 +134,38 @@ def pack_columns(q: torch.Tensor, bits: int) -> torch.Tensor:
     return _to_int32(out)
 
 
+#: Values per chunk that ends exactly on an int32 boundary, for each width (chunk·bits is a multiple of 32).
+_CHUNK = {2: 16, 3: 32, 4: 8, 5: 32, 6: 16, 8: 4}
+
+
 def unpack_columns(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
-    """Inverse of :func:`pack_columns`: int32 ``[rows·bits/32, cols]`` → int16 codes ``[rows, cols]``."""
+    """Inverse of :func:`pack_columns`: int32 ``[rows·bits/32, cols]`` → int16 codes ``[rows, cols]``.
+
+    Works chunk-wise: a chunk of ``_CHUNK[bits]`` values fills ``_CHUNK[bits]·bits/32`` whole words,
+    so each value position inside a chunk is one strided slice (plus its neighbour word when it
+    straddles a word boundary).
+    """
     if (rows * bits) % 32 or packed.shape[0] != rows * bits // 32:
         raise EXL2FormatError(f"{packed.shape[0]} words cannot hold {rows} rows at {bits} bits")
+    chunk = _CHUNK[bits]
+    per = chunk * bits // 32
+    cols = packed.shape[1]
+    if rows % chunk:  # only possible for 16-row chunks of a 2/6-bit layer with rows ≡ 16 mod 32: stay general
+        return _unpack_slow(packed, bits, rows)
+    words = packed.view(rows // chunk, per, cols).transpose(0, 1).contiguous()  # [per, chunks, cols]
+    out = torch.empty((chunk, rows // chunk, cols), dtype=torch.int16)
+    mask = (1 << bits) - 1
+    for i in range(chunk):
+        w, shift = divmod(i * bits, 32)
+        if shift + bits <= 32:
+            value = (words[w] >> shift) & mask  # arithmetic shift: the mask drops the sign bits
+        else:
+            value = ((words[w] >> shift) & ((1 << (32 - shift)) - 1)) | ((words[w + 1] << (32 - shift)) & mask)
+        out[i] = value
+    return out.transpose(0, 1).reshape(rows, cols)
+
+
+def _unpack_slow(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
     words = packed.to(torch.int64) & 0xFFFFFFFF
     word, shift = _word_index(rows, bits)
     lo = words[word] >> shift[:, None]
@@ -270,12 +298,15 @@ def group_scales(scale_codes: torch.Tensor, scale_max: torch.Tensor) -> torch.Te
 
 def dequantize_layer(layer: EXL2Linear) -> torch.Tensor:
     """The fp16 weight ``[out, in]`` (the transformers orientation) of a decoded layer."""
-    g_of_row = group_of_rows(layer.groups)
-    zero = torch.tensor([1 << (g.bits - 1) for g in layer.groups], dtype=torch.int64)[g_of_row]
-    scales = group_scales(layer.scale_codes, layer.scale_max)[g_of_row]
-    dq = _fp16_mul((layer.q.to(torch.int64) - zero[:, None]).to(torch.float16), scales)
-    w_t = dq[layer.invperm.to(torch.int64)]  # Wᵀ[perm[k]] = dq[k]  ⇔  Wᵀ[j] = dq[invperm[j]]
-    return w_t[:, :layer.out_features].t().contiguous()
+    scales = group_scales(layer.scale_codes, layer.scale_max).float()  # exact fp16 values
+    dq = torch.empty(layer.q.shape, dtype=torch.float16)
+    row = 0
+    for gi, g in enumerate(layer.groups):
+        codes = layer.q[row:row + g.rows].float() - float(1 << (g.bits - 1))
+        dq[row:row + g.rows] = codes.mul_(scales[gi]).to(torch.float16)  # exact product, one rounding
+        row += g.rows
+    w_t = dq[layer.invperm.to(torch.int64), :layer.out_features]  # Wᵀ[perm[k]] = dq[k] ⇔ Wᵀ[j] = dq[invperm[j]]
+    return w_t.t().contiguous()
 
 
 def dequantize(tensors: Mapping[str, torch.Tensor], out_features: int | None = None) -> torch.Tensor:

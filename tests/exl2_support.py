@@ -1,7 +1,7 @@
 """Shared EXL2 test fixtures (imported by the EXL2 test modules).
 
 * ``exl2_demo``: the real flow once per session on the demo checkpoint with ``--exl2 4.0,6.0,8.0``
-  through the reference-cpu backend, evaluated by the exl2-reference engine, registered.
+  (reference-cpu backend, exl2-reference engine) and ``--gguf Q8_0`` in the same flow and table.
 * ``exl2_runtime``: the ExLlamaV2 interpreter of a GPU machine (``QUANTYARD_EXL2_PYTHON``), or a skip
   saying why not — GPU tests never pass vacuously.
 """
@@ -29,8 +29,8 @@ def exl2_demo(tmp_path_factory: pytest.TempPathFactory, demo_model: Path, cache_
     base = tmp_path_factory.mktemp("exl2-demo")
     cfg = make_settings(base / "registry", base / "work", cache_dir)
     plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
-                variants=variants_from_flags(exl2=EXL2_BPWS),
-                eval=EvalSpec(max_windows=12, speed=SpeedSpec(enabled=False)))
+                variants=variants_from_flags(gguf="Q8_0", exl2=EXL2_BPWS),
+                eval=EvalSpec(max_windows=8, speed=SpeedSpec(enabled=False)))
     report = convert_flow(plan, cfg)
     return {"settings": cfg, "report": report, "plan": plan}
 

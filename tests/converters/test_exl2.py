@@ -66,9 +66,10 @@ def _by_name(report: Any) -> dict[str, Any]:
 
 def test_demo_to_exl2_is_measured_once_built_registered_and_evaluated(exl2_demo: dict[str, Any]) -> None:  # noqa: F811
     report = exl2_demo["report"]
-    assert report.ok and report.count("measure") == 1 and report.count("quantize") == len(BPWS)
+    assert report.ok and report.count("measure") == 1 and report.count("quantize") == len(BPWS) + 1  # + Q8_0
     by = _by_name(report)
-    assert set(by) == {f"EXL2-{b}bpw-ref" for b in BPWS}
+    assert set(by) == {f"EXL2-{b}bpw-ref" for b in BPWS} | {"Q8_0"}
+    assert by.pop("Q8_0").engine == "llama.cpp"  # one flow, one table, each format on its engine
     for v in by.values():
         assert v.status == "registered" and v.engine == "exl2-reference" and v.eval_status == "ok"
     kld = {b: by[f"EXL2-{b}bpw-ref"].quality["kld_mean"] for b in BPWS}
@@ -149,3 +150,38 @@ def test_rerun_reuses_every_variant(exl2_demo: dict[str, Any], prefect_harness: 
     again = convert_flow(exl2_demo["plan"], exl2_demo["settings"])
     assert again.count("measure") == 0 and again.count("quantize") == 0 and again.count("evaluate") == 0
     assert all(v.status == "reused" for v in again.variants)
+
+
+def test_compare_lists_gguf_and_exl2_with_their_engines(exl2_demo: dict[str, Any]) -> None:  # noqa: F811
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["compare", "demo", "--registry", str(exl2_demo["settings"].registry),
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["variant"]: r for r in json.loads(result.stdout)}
+    assert rows["Q8_0"]["engine"] == "llama.cpp" and rows["EXL2-4.0bpw-ref"]["engine"] == "exl2-reference"
+    assert rows["EXL2-4.0bpw-ref"]["kld"] is not None and rows["EXL2-4.0bpw-ref"]["bpw"] > 4.0  # fp16 embeddings
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--exl2", "4.0", "--exl2-backend", "cuda"], "unknown EXL2 backend"),
+    (["--exl2", "4.0", "--exl2-head-bits", "7"], "head bits"),
+    (["--exl2", "9.0"], "2.0..8.0"),
+    (["--exl2", "4.0", "--exl2-backend", "exllamav2"], "ExLlamaV2 cannot run here"),
+])
+def test_bad_exl2_flags_are_refused_before_any_work(flags: list[str], message: str, demo_model: Path,
+                                                    registry_path: Path, tmp_path: Path,
+                                                    prefect_harness: None) -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from tests.conftest import registry_snapshot
+
+    before = registry_snapshot(registry_path)
+    result = CliRunner().invoke(app, ["convert", str(demo_model), "--registry", str(registry_path), *flags],
+                                env={"QUANTYARD_WORK_DIR": str(tmp_path / "work")})
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert registry_snapshot(registry_path) == before
