@@ -136,54 +136,71 @@ class EXL2Converter:
         return sorted(set(out))
 
     def prepare(self, ctx: BuildContext, specs: list[Any]) -> Prepared:
-        """Measure once per backend in use (cached in the work folder; exllamav2's also from the registry)."""
+        """Measure once per backend in use (cached in the work folder; exllamav2's also from the registry).
+        The reference backend also quantizes every requested bpw in the same worker, while the model
+        and Hessians are loaded; :meth:`build` then only collects the folder."""
         if ctx.calibration is None:
             raise ConfigError("EXL2 conversion needs calibration text", hint="the flow passes the checkpoint's "
                               "calibration.txt or the built-in calibration text; pass one explicitly")
         prepared = Prepared()
-        for backend in sorted({self.resolve_spec(s).backend for s in specs}, key=str):
-            spec = next(self.resolve_spec(s) for s in specs if self.resolve_spec(s).backend == backend)
-            folder, key = self._work(ctx, spec, ctx.calibration)
+        concrete = [self.resolve_spec(s) for s in specs]
+        for backend in sorted({s.backend for s in concrete}, key=str):
+            mine = [s for s in concrete if s.backend == backend]
+            folder, key = self._work(ctx, mine[0], ctx.calibration)
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "calibration.txt").write_text(ctx.calibration.text, encoding="utf-8")
             if backend == EXL2Backend.EXLLAMAV2:
                 calib = self._measure_exllamav2(ctx, folder, key, prepared)
             else:
-                calib = self._measure_reference(ctx, folder, prepared)
+                calib = self._measure_reference(ctx, folder, mine, prepared)
             calib.update({"origin": ctx.calibration.origin, "sha256": ctx.calibration.sha256})
             prepared.paths[str(backend)] = str(folder)
             prepared.meta[str(backend)] = {"calibration": calib, "key": key}
             prepared.source_artifacts.append({
                 "kind": MEASUREMENT_KIND, "key": key, "name": f"measurement-{backend}-{key[:12]}.json",
                 "path": str(folder / "measurement.json"), "meta": {"backend": str(backend), "calibration": calib,
-                                                                   "tool": self.tool_identity_for(spec)}})
+                                                                   "tool": self.tool_identity_for(mine[0])}})
         return prepared
 
-    def _measure_reference(self, ctx: BuildContext, folder: Path, prepared: Prepared) -> dict[str, Any]:
+    def _measure_reference(self, ctx: BuildContext, folder: Path, specs: list[EXL2Spec],
+                           prepared: Prepared) -> dict[str, Any]:
         size = REFERENCE_CALIBRATION
-        if not (folder / "ok").is_file():
-            self._run_reference(ctx, folder, "measure", {
-                "model": str(ctx.checkpoint.path), "text_file": str(folder / "calibration.txt"),
-                "origin": ctx.calibration.origin if ctx.calibration else "", "out": str(folder),
-                "rows": size.rows, "length": size.length})
+        measured = (folder / "ok").is_file()
+        pending = [s for s in specs if not (folder / "variants" / s.name / "done").is_file()]
+        if not measured or pending:
+            measure = None if measured else {
+                "text_file": str(folder / "calibration.txt"), "origin": ctx.calibration.origin if ctx.calibration
+                else "", "rows": size.rows, "length": size.length}
+            self._run_reference(ctx, folder, "measure" if measure else "quantize", measure, pending)
             (folder / "ok").write_text("")
-            prepared.events.append("measure")
+            if measure:
+                prepared.events.append("measure")
+            prepared.meta.setdefault("quantized", []).extend(s.name for s in pending)
         calib = dict(json.loads((folder / "measurement.json").read_text())["calibration"])
         return {"rows": calib["rows"], "length": calib["length"], "measurement_rows": calib["rows"],
                 "measurement_length": calib["length"], "text_tokens": calib["text_tokens"],
                 "ids_sha256": calib["ids_sha256"]}
 
-    def _run_reference(self, ctx: BuildContext, folder: Path, mode: str, request: dict[str, Any]) -> dict[str, Any]:
-        result = folder / f"result-{mode}.json"
+    def _run_reference(self, ctx: BuildContext, folder: Path, name: str, measure: dict[str, Any] | None,
+                       specs: list[EXL2Spec]) -> None:
+        """One worker run: optionally measure, then write a folder per spec under ``folder/variants``."""
+        result = folder / f"result-{name}.json"
         result.unlink(missing_ok=True)
-        req = {**request, "mode": mode, "threads": self.settings.threads, "result": str(result),
-               "codec_version": CODEC_VERSION}
+        jobs = []
+        for spec in specs:
+            vdir = folder / "variants" / spec.name
+            shutil.rmtree(vdir, ignore_errors=True)
+            jobs.append({"out": str(vdir / "model"), "bpw": spec.bpw, "head_bits": spec.head_bits,
+                         "result": str(vdir / "result.json")})
+        req = {"model": str(ctx.checkpoint.path), "measurement": str(folder), "measure": measure, "jobs": jobs,
+               "threads": self.settings.threads, "result": str(result)}
         res = run_logged([self.settings.core_python, "-m", REFERENCE_WORKER], log_dir=folder,
-                         name=f"reference-{mode}", timeout_s=self.settings.convert_timeout_s, env=child_env(),
+                         name=f"reference-{name}", timeout_s=self.settings.convert_timeout_s, env=child_env(),
                          stdin_text=json.dumps(req))
         if not res.ok or not result.is_file():
-            raise _failed(res, f"reference-cpu EXL2 {mode}", folder)
-        return dict(json.loads(result.read_text()))
+            raise _failed(res, f"reference-cpu EXL2 {name}", folder)
+        for job in jobs:
+            (Path(job["out"]).parent / "done").write_text("")
 
     def _measure_exllamav2(self, ctx: BuildContext, folder: Path, key: str, prepared: Prepared) -> dict[str, Any]:
         rt = exl2_env.require(self.settings)
@@ -221,17 +238,27 @@ class EXL2Converter:
         out_dir.mkdir(parents=True, exist_ok=True)
         if spec.backend == EXL2Backend.EXLLAMAV2:
             details = self._build_exllamav2(ctx, folder, spec, out_dir, meta["calibration"])
+            events = ["quantize"]
         else:
-            details = self._run_reference(ctx, folder, f"quantize-{spec.name}", {
-                "model": str(ctx.checkpoint.path), "measurement": str(folder), "out": str(out_dir),
-                "bpw": spec.bpw, "head_bits": spec.head_bits})
+            details, events = self._build_reference(ctx, folder, spec, out_dir, prepared)
         info = inspect_exl2(out_dir, ctx.checkpoint)
         info.update({"backend": backend, "target_bpw": spec.bpw, "head_bits": spec.head_bits})
         params = {"bpw": spec.bpw, "head_bits": spec.head_bits, "backend": backend,
                   "calibration": meta["calibration"], "measurement_key": meta["key"], **details}
         files = {p.name: p for p in sorted(out_dir.iterdir()) if p.is_file()}
         return BuiltVariant(variant=spec.name, files=files, tool=self.tool_identity_for(spec), parameters=params,
-                            events=["quantize"], info=info)
+                            events=events, info=info)
+
+    def _build_reference(self, ctx: BuildContext, folder: Path, spec: EXL2Spec, out_dir: Path,
+                         prepared: Prepared) -> tuple[dict[str, Any], list[str]]:
+        vdir = folder / "variants" / spec.name
+        quantized = spec.name in prepared.meta.get("quantized", [])
+        if not (vdir / "done").is_file():  # prepared for other specs, or the work folder was cleaned since
+            self._run_reference(ctx, folder, f"quantize-{spec.name}", None, [spec])
+            quantized = True
+        for item in sorted((vdir / "model").iterdir()):
+            shutil.copyfile(item, out_dir / item.name)
+        return dict(json.loads((vdir / "result.json").read_text())), (["quantize"] if quantized else [])
 
     def _build_exllamav2(self, ctx: BuildContext, folder: Path, spec: EXL2Spec, out_dir: Path,
                          calib: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,8 @@ the orchestrating process. Two steps, mirroring exllamav2's "measure once, quant
   once collecting every linear layer's input Hessian ``XᵀX``, quantize every decoder layer at every
   candidate layout (``converters.exl2_codec.OPTIONS``) and record exact bits and relative error.
   Writes ``measurement.json`` and ``hessians.safetensors``.
-* :func:`quantize`: allocate bits for a target bpw from the measurement, GPTQ every decoder layer at
-  its layout and the head at ``head_bits``, and write an exllamav2-style folder: ``output.safetensors``
+* :func:`quantize`: for each requested bpw, allocate bits from the measurement, GPTQ every decoder
+  layer at its layout and the head at ``head_bits``, and write an exllamav2-style folder: ``output.safetensors``
   (quantized linears, everything else fp16), the source's non-weight files, and ``config.json`` with
   ``quantization_config.quant_method = "exl2"``.
 """
@@ -173,16 +173,27 @@ def candidates(measurement: dict[str, Any]) -> list[Candidates]:
 # --- quantization and writing --------------------------------------------------------------------
 
 
-def quantize(model_dir: Path, measurement_dir: Path, out_dir: Path, bpw: float, head_bits: int) -> dict[str, Any]:
-    """Write an EXL2 folder at ``bpw`` (decoder layers) and ``head_bits`` (head) into ``out_dir``."""
-    from safetensors.torch import load_file, save_file
+def quantize(model_dir: Path, measurement_dir: Path, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Write one EXL2 folder per job ``{"out", "bpw", "head_bits"}``: decoder layers at the job's bpw,
+    the head at its head bits. The model and the Hessians are loaded once for all jobs."""
+    from safetensors.torch import load_file
 
-    t0 = time.perf_counter()
     meas = json.loads((measurement_dir / "measurement.json").read_text())
     hessians = load_file(str(measurement_dir / "hessians.safetensors"))
-    choice, achieved = allocate(candidates(meas), bpw)
     model = load_model(model_dir)
     state = {k: v.detach() for k, v in model.state_dict().items()}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    return [_quantize_one(model_dir, meas, hessians, dict(state), tied, Path(job["out"]), float(job["bpw"]),
+                          int(job["head_bits"])) for job in jobs]
+
+
+def _quantize_one(model_dir: Path, meas: dict[str, Any], hessians: dict[str, torch.Tensor],
+                  state: dict[str, torch.Tensor], tied: bool, out_dir: Path, bpw: float, head_bits: int
+                  ) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    choice, achieved = allocate(candidates(meas), bpw)
     layouts = {name: OPTIONS[i] for name, i in choice.items()}
     if meas["head"]:
         layouts[meas["head"]] = head_option(head_bits)
@@ -196,7 +207,6 @@ def quantize(model_dir: Path, measurement_dir: Path, out_dir: Path, bpw: float, 
             res = gptq(weight, hessians[hessian_of[name]], opt.groups(weight.shape[1]), bias)
             errors[name] = res.error
             tensors.update({f"{name}.{k}": v for k, v in encode(res.layer).items()})
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for key, value in state.items():
         if tied and meas["head"] is None and key.endswith("lm_head.weight"):
             continue  # a tied head is the embedding; exllamav2 and transformers re-tie it
@@ -204,10 +214,11 @@ def quantize(model_dir: Path, measurement_dir: Path, out_dir: Path, bpw: float, 
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "output.safetensors"), metadata={"format": "pt"})
     _copy_non_weights(model_dir, out_dir)
-    decoder_bits = sum(storage_bits(layouts[n].groups(meas["layers"][n]["shape"][1]), meas["layers"][n]["shape"][1],
-                                    meas["layers"][n]["shape"][0], meas["layers"][n]["bias"]) for n in choice)
-    decoder_numel = sum(meas["layers"][n]["shape"][0] * meas["layers"][n]["shape"][1] for n in choice)
     _write_config(model_dir, out_dir, bpw, head_bits, meas["calibration"])
+    shapes = {n: meas["layers"][n] for n in choice}
+    decoder_bits = sum(storage_bits(layouts[n].groups(v["shape"][1]), v["shape"][1], v["shape"][0], v["bias"])
+                       for n, v in shapes.items())
+    decoder_numel = sum(v["shape"][0] * v["shape"][1] for v in shapes.values())
     return {"target_bpw": bpw, "head_bits": head_bits, "decoder_bpw": decoder_bits / decoder_numel,
             "allocated_bpw": achieved, "allocation": {n: OPTIONS[i].name for n, i in choice.items()},
             "layer_error": errors, "head": meas["head"], "quantize_s": round(time.perf_counter() - t0, 3)}

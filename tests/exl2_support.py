@@ -20,9 +20,20 @@ from tests.conftest import make_settings
 EXL2_BPWS = "4.0,6.0,8.0"
 
 
+_SESSION: dict[str, dict[str, Any]] = {}
+
+
 @pytest.fixture(scope="session")
 def exl2_demo(tmp_path_factory: pytest.TempPathFactory, demo_model: Path, cache_dir: Path,
               prefect_harness: None) -> dict[str, Any]:
+    # Each test module imports this fixture, so pytest holds one session fixture per module; the flow
+    # itself must run once per session, hence the memo.
+    if "demo" not in _SESSION:
+        _SESSION["demo"] = _run_demo(tmp_path_factory, demo_model, cache_dir)
+    return _SESSION["demo"]
+
+
+def _run_demo(tmp_path_factory: pytest.TempPathFactory, demo_model: Path, cache_dir: Path) -> dict[str, Any]:
     from flows.quantize import convert_flow
     from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
 
