@@ -61,7 +61,8 @@ def _quality(req: dict[str, Any], config: Any, model: Any, out_dir: Path) -> dic
             if cache is not None:
                 cache.current_seq_len = 0
             logits = model.forward(torch.as_tensor(ids[k:k + 1]), cache)
-            col.add_window(logits[0].float().cpu().numpy(), ids[k], int(starts[k]))
+            # ExLlamaV2 pads the head's width to a multiple of 32; padded columns are not tokens
+            col.add_window(logits[0, :, :config.vocab_size].float().cpu().numpy(), ids[k], int(starts[k]))
     n = col.save(out_dir)
     return {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s}
 
