@@ -9,6 +9,7 @@ from typing import Any
 CONVERTERS: dict[str, str] = {
     "gguf": "converters.gguf:GGUFConverter",
     "awq": "converters.awq:AWQConverter",
+    "exl2": "converters.exl2:EXL2Converter",
 }
 
 

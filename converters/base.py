@@ -12,6 +12,7 @@ format cannot handle, so no time or disk is spent on doomed work.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -22,11 +23,27 @@ from pipeline.specs import QuantFormat, SourceRef
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Calibration text for data-aware formats (EXL2, AWQ) and where it came from."""
+
+    text: str
+    origin: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
 class BuildContext:
     checkpoint: Checkpoint
     source: SourceRef
     model_name: str
     settings: Settings
+    calibration: Calibration | None = None
+    #: Source artifacts the flow found in the registry for this source, by "kind:key" (e.g. an EXL2
+    #: measurement), so a converter can reuse them instead of recomputing.
+    artifacts: dict[str, Path] = field(default_factory=dict)
 
     @property
     def file_stem(self) -> str:
@@ -40,6 +57,8 @@ class Prepared:
     paths: dict[str, str] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)  # work actually done, e.g. ["convert_base"]
+    #: Files to register as artifacts of the source: {kind, key, name, path, meta} each.
+    source_artifacts: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

@@ -14,12 +14,15 @@ EVALUATORS: dict[str, str] = {
     "llama.cpp": "evaluators.llamacpp:LlamaCppEvaluator",
     "vllm": "evaluators.vllm:VLLMEvaluator",
     "transformers": "evaluators.crosscheck:TransformersCheckEvaluator",
+    "exllamav2": "evaluators.exl2:ExLlamaV2Evaluator",
+    "exl2-reference": "evaluators.exl2:EXL2ReferenceEvaluator",
 }
 
 #: Which engine evaluates each format by default.
 DEFAULT_ENGINE: dict[str, str] = {
     "gguf": "llama.cpp",
     "awq": "vllm",
+    "exl2": "exllamav2",
 }
 
 #: A second, independent engine run on the same file after the default one (see evaluators/crosscheck.py).
@@ -27,9 +30,10 @@ CROSS_CHECK_ENGINE: dict[str, str] = {
     "awq": "transformers",
 }
 
-#: A reference engine that stands in (and says so) when the default engine cannot run here.
+#: The engine that stands in when the default cannot run here (labelled as such in every result).
 FALLBACK_ENGINE: dict[str, str] = {
     "awq": "transformers",
+    "exl2": "exl2-reference",
 }
 
 
@@ -47,3 +51,15 @@ def get_evaluator(engine: str) -> Any:
         known = ", ".join(sorted(EVALUATORS))
         raise UnknownFormatError(f"no evaluator for engine {engine!r}; known: {known}") from None
     return getattr(import_module(module), cls)()
+
+
+def engine_for(fmt: str, settings: Any) -> tuple[str, str | None]:
+    """The engine that evaluates ``fmt`` here, and why a fallback stands in (None when it does not)."""
+    engine = DEFAULT_ENGINE[fmt]
+    fallback = FALLBACK_ENGINE.get(fmt)
+    if fallback is None:
+        return engine, None
+    reason = get_evaluator(engine).unavailable_reason(settings)
+    if reason is None:
+        return engine, None
+    return fallback, f"{fallback} stands in for {engine}: {reason}"

@@ -68,7 +68,7 @@ def imatrix_request(plan: Plan, resolved: Resolved, settings: Settings) -> Imatr
                              context=plan.calibration.context)
     base_type = choose_base_type(resolved.checkpoint, plan.gguf_base_type)
     key = make_converter("gguf", plan, settings, imatrix=request).imatrix_key(base_type)
-    reg = open_registry(settings.registry)
+    reg = open_registry(settings)
     found = reg.find_source_artifact(resolved.source, "imatrix", key)
     return request if found is None else replace(request, existing=reg.artifact_path(found))
 
@@ -78,7 +78,7 @@ def register_imatrix(settings: Settings, resolved: Resolved, prepared: Prepared,
     meta = prepared.meta.get("imatrix")
     if not meta:
         return
-    reg = open_registry(settings.registry)
+    reg = open_registry(settings)
     common = {"model": resolved.model_name, "architecture": resolved.architecture, "source": resolved.source}
     calib = Path(prepared.paths["calibration"])
     reg.put_source_artifact(**common, kind="calibration", key=meta["calibration_sha256"],

@@ -47,9 +47,9 @@ def _plan_builds(plan: Plan, settings: Settings, resolved: steps.Resolved, repor
     """Compute build keys; keep only variants not already registered with the same key."""
     todo: dict[str, list[tuple[Any, str]]] = {}
     for fmt, specs in plan.by_format().items():
-        tool = steps.make_converter(fmt, plan, settings).tool_identity()
         for spec in specs:
-            key = steps.build_key(resolved.source, spec, tool, steps.build_inputs(plan, resolved, spec, settings))
+            key = steps.build_key(resolved.source, spec, steps.tool_identity(fmt, plan, settings, spec),
+                                  steps.build_inputs(plan, resolved, spec, settings))
             existing = None if plan.force else steps.find_existing(settings, resolved, spec, key)
             if existing is not None:
                 out = outcomes[spec.name]
@@ -112,11 +112,11 @@ def _evaluate_all(plan: Plan, settings: Settings, resolved: steps.Resolved, repo
 
 def _evaluate_one(plan: Plan, settings: Settings, report: ConvertReport, out: VariantOutcome,
                   windows: Any, ws_meta: dict[str, Any], reference: Any) -> None:
-    from evaluators import DEFAULT_ENGINE
+    from evaluators import engine_for
     from registry import open_registry
 
     assert out.ref is not None
-    engine = DEFAULT_ENGINE[out.format]
+    engine, _ = engine_for(out.format, settings)
     version = open_registry(settings).get_version(out.ref)
     out.engine = engine
     if steps.has_quality_result(version, engine, str(ws_meta["id"])):
@@ -145,7 +145,7 @@ def _cross_check(plan: Plan, settings: Settings, report: ConvertReport, out: Var
     engine = CROSS_CHECK_ENGINE.get(out.format)
     if engine is None or not plan.eval.cross_check:
         return
-    spec = open_registry(settings.registry).get_version(out.ref).spec
+    spec = open_registry(settings).get_version(out.ref).spec
     if get_evaluator(engine).skip_reason(spec):
         report.events.append(f"cross_check_skipped:{out.variant}")
         return
@@ -185,6 +185,7 @@ def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
     t0 = time.perf_counter()
     open_registry(settings)  # a bad registry location fails before any work is done
     steps.sweep_stale(settings)
+    plan = steps.resolve_backends(plan, settings)
     with stage("resolve", plan.source.source):
         resolved = resolve_task(plan, settings)
     src = resolved.source

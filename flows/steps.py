@@ -13,16 +13,16 @@ import platform
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from converters import converter_class
-from converters.base import BuildContext, BuiltVariant, Prepared
+from converters.base import BuildContext, BuiltVariant, Calibration, Prepared
 from converters.checkpoint import Checkpoint, load_checkpoint
 from converters.source import HubOptions, resolve_source
-from evaluators import DEFAULT_ENGINE, get_evaluator
+from evaluators import engine_for, get_evaluator
 from evaluators.base import EvalOutcome
 from evaluators.reference import reference_key, run_reference
 from evaluators.windows import build_window_set
@@ -85,6 +85,23 @@ def make_converter(fmt: str, plan: Plan, settings: Settings, imatrix: Any = None
     return cls(settings)
 
 
+def resolve_backends(plan: Plan, settings: Settings) -> Plan:
+    """Give every spec that leaves its backend open a concrete one (EXL2: exllamav2 where CUDA and
+    ExLlamaV2 are present, else reference-cpu), so names, build keys and lineage say which built it."""
+    variants: dict[str, Any] = {}
+    for spec in plan.variants:
+        conv = make_converter(spec.format.value, plan, settings)
+        concrete = conv.resolve_spec(spec) if hasattr(conv, "resolve_spec") else spec
+        variants.setdefault(concrete.name, concrete)  # "auto" and an explicit backend may now coincide
+    return plan.model_copy(update={"variants": tuple(variants.values())})
+
+
+def tool_identity(fmt: str, plan: Plan, settings: Settings, spec: Any) -> dict[str, Any]:
+    """The tool versions that build ``spec`` (per spec where a format has several backends)."""
+    conv = make_converter(fmt, plan, settings)
+    return conv.tool_identity_for(spec) if hasattr(conv, "tool_identity_for") else conv.tool_identity()
+
+
 def build_key(source: SourceRef, spec: Any, tool: dict[str, Any], inputs: dict[str, Any] | None = None) -> str:
     """Cache key of one variant build: source identity, spec, exact tool versions, quantyard version, and
     any other inputs that change the bytes (calibration text, split size...)."""
@@ -107,17 +124,34 @@ def find_existing(settings: Settings, resolved: Resolved, spec: Any, key: str) -
     return reg.find_build(resolved.model_name, spec.name, key)
 
 
+def _context(resolved: Resolved, settings: Settings) -> BuildContext:
+    text, origin = calibration_text(resolved)
+    return BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
+                        settings=settings, calibration=Calibration(text=text, origin=origin))
+
+
 def prepare_format(fmt: str, plan: Plan, resolved: Resolved, specs: list[Any], settings: Settings) -> Prepared:
-    """Shared work of a format (the GGUF base; for imatrix quants the imatrix, registered with its
-    calibration text as artifacts of the source)."""
+    """Shared work of a format (the GGUF base and, for imatrix quants, the imatrix; the EXL2 measurement).
+    Source artifacts the converter can reuse are looked up in the registry first; the ones it produced
+    (EXL2 measurement, imatrix and its calibration text) are registered after."""
     from flows import gguf_steps
 
-    ctx = BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
-                       settings=settings)
     imatrix = None
     if fmt == "gguf" and any(getattr(s, "imatrix", False) for s in specs):
         imatrix = gguf_steps.imatrix_request(plan, resolved, settings)
-    prepared = make_converter(fmt, plan, settings, imatrix=imatrix).prepare(ctx, specs)
+    conv = make_converter(fmt, plan, settings, imatrix=imatrix)
+    ctx = _context(resolved, settings)
+    reg = open_registry(settings)
+    found = {}
+    for kind, key in (conv.artifact_keys(ctx, specs) if hasattr(conv, "artifact_keys") else []):
+        art = reg.find_source_artifact(resolved.source, kind, key)
+        if art is not None:
+            found[f"{kind}:{key}"] = reg.artifact_path(art)
+    prepared: Prepared = conv.prepare(replace(ctx, artifacts=found), specs)
+    for art in prepared.source_artifacts:
+        reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
+                                source=resolved.source, kind=art["kind"], key=art["key"], name=art["name"],
+                                path=Path(art["path"]), meta=art["meta"])
     if imatrix is not None:
         gguf_steps.register_imatrix(settings, resolved, prepared, ctx.file_stem)
     return prepared
@@ -125,8 +159,7 @@ def prepare_format(fmt: str, plan: Plan, resolved: Resolved, specs: list[Any], s
 
 def build_variant(fmt: str, plan: Plan, resolved: Resolved, prepared: Prepared, spec: Any,
                   settings: Settings, staging: Path) -> BuiltVariant:
-    ctx = BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
-                       settings=settings)
+    ctx = _context(resolved, settings)
     return make_converter(fmt, plan, settings).build(ctx, prepared, spec, staging / spec.name)
 
 
@@ -311,7 +344,9 @@ def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_m
     """
     reg = open_registry(settings)
     version = reg.get_version(ref)
-    engine = engine or DEFAULT_ENGINE[fmt]
+    fallback = None
+    if engine is None:
+        engine, fallback = engine_for(fmt, settings)
     evaluator = get_evaluator(engine)
     with scratch_dir(settings) as tmp:
         model_dir = Path(tmp) / "model"
@@ -325,6 +360,7 @@ def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_m
             reg.add_result(ref, {"kind": "quality", "engine": engine, "status": "failed",
                                  "window_set_id": ws_meta["id"], "error": _error_text(exc)})
             raise
+    outcome.fallback = outcome.fallback or fallback
     for record in outcome.records():
         reg.add_result(version.ref, record)
     return outcome

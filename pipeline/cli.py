@@ -99,6 +99,9 @@ def convert(
     awq_calibration_samples: Annotated[int, typer.Option(help="AWQ calibration samples.")] = 64,
     awq_calibration_seq_len: Annotated[int, typer.Option(help="AWQ calibration sample length (tokens).")] = 256,
     exl2: Annotated[str | None, typer.Option(help="Comma-separated EXL2 bits per weight, e.g. 4.0,6.0")] = None,
+    exl2_backend: Annotated[str, typer.Option(help="auto (exllamav2 where CUDA + ExLlamaV2 are present, else "
+                                              "reference-cpu) | exllamav2 | reference-cpu")] = "auto",
+    exl2_head_bits: Annotated[int, typer.Option(help="EXL2 bits of the output head: 2,3,4,5,6,8.")] = 6,
     name: Annotated[str | None, typer.Option(help="Model name in the registry (default: folder or hub id).")] = None,
     revision: Annotated[str | None, typer.Option(help="Hub branch, tag or commit (pinned to its SHA).")] = None,
     registry: RegistryOpt = None,
@@ -151,7 +154,7 @@ def convert(
                            trust_remote_code=trust_remote_code),
         model_name=name,
         variants=variants_from_flags(gguf=gguf, awq=awq, awq_backend=awq_backend, exl2=exl2, imatrix=imatrix,
-                                     awq_opts=awq_opts),
+                                     awq_opts=awq_opts, exl2_backend=exl2_backend, exl2_head_bits=exl2_head_bits),
         eval=EvalSpec(enabled=not no_eval, text_file=str(eval_text) if eval_text else None, dataset=eval_dataset,
                       window=window,
                       stride=stride, max_windows=max_windows, top_k=top_k,

@@ -158,6 +158,12 @@ class InvalidReferenceError(QuantyardError, ValueError):
     default_hint = 'write references as MODEL/VARIANT[@VERSION|@ALIAS]'
 
 
+class EXL2FormatError(QuantyardError, ValueError):
+    """EXL2 tensors that do not follow exllamav2's layout (bad groups, sizes, codes or permutation)."""
+
+    code = "exl2_format"
+
+
 # --- running tools -------------------------------------------------------------------------------
 
 

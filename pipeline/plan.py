@@ -18,6 +18,7 @@ from pipeline.specs import (
     GGUF_BASE_TYPES,
     AWQBackend,
     AWQSpec,
+    EXL2Backend,
     EXL2Spec,
     Frozen,
     GGUFSpec,
@@ -145,7 +146,8 @@ def awq_options(bits: int = 4, group_size: int = 128, symmetric: bool = False, c
 
 def variants_from_flags(gguf: str | None = None, awq: bool = False, awq_backend: str = "llmcompressor",
                         exl2: str | None = None, imatrix: bool = False,
-                        awq_opts: dict[str, object] | None = None) -> tuple[VariantSpec, ...]:
+                        awq_opts: dict[str, object] | None = None, exl2_backend: str = "auto",
+                        exl2_head_bits: int = 6) -> tuple[VariantSpec, ...]:
     """Turn ``--gguf Q8_0,Q4_K_M --awq --exl2 4.0,6.0`` into variant specs (validated, de-duplicated)."""
     types = [parse_gguf_type(t).name for t in split_list(gguf)]
     # an importance matrix only matters when quantizing: the unquantized base types never get one
@@ -159,11 +161,17 @@ def variants_from_flags(gguf: str | None = None, awq: bool = False, awq_backend:
                 raise
             raise InvalidSpecError(f"invalid AWQ settings: {exc}",
                                    hint="--awq-backend is llmcompressor or autoawq; --awq-bits is 4 or 8") from exc
+    backend = _exl2_backend(exl2_backend)
     for bpw in split_list(exl2):
         try:
-            specs.append(EXL2Spec(bpw=float(bpw)))
-        except (ValueError, ValidationError) as exc:
+            value = float(bpw)
+        except ValueError as exc:
             raise InvalidSpecError(f"invalid EXL2 bits per weight {bpw!r}: expected a number in 2.0..8.0") from exc
+        try:
+            specs.append(EXL2Spec(bpw=value, head_bits=exl2_head_bits, backend=backend))
+        except ValidationError as exc:
+            raise InvalidSpecError(f"invalid EXL2 variant {bpw!r} (head bits {exl2_head_bits}): expected bits per "
+                                   "weight in 2.0..8.0 and head bits in 2,3,4,5,6,8") from exc
     seen: dict[str, VariantSpec] = {}
     for s in specs:
         seen.setdefault(s.name, s)
@@ -184,6 +192,16 @@ def check_imatrix_types(specs: list[GGUFSpec]) -> None:
             f"{', '.join(missing)} need(s) an importance matrix: these types lose too much quality when quantized "
             "without one, so Quantyard refuses to build them blind",
             hint="add --imatrix (optionally --calibration FILE) to build them as imatrix (i1-) quants")
+
+
+def _exl2_backend(name: str) -> EXL2Backend | None:
+    if name == "auto":
+        return None
+    try:
+        return EXL2Backend(name)
+    except ValueError:
+        known = ", ".join(["auto", *(b.value for b in EXL2Backend)])
+        raise InvalidSpecError(f"unknown EXL2 backend {name!r}: expected one of {known}") from None
 
 
 def load_recipe(path: Path) -> dict[str, object]:

@@ -157,9 +157,13 @@ class AWQSpec(Frozen):
 
 
 class EXL2Spec(Frozen):
+    """An EXL2 variant. ``backend`` None means "exllamav2 where it can run (CUDA), else reference-cpu";
+    flows resolve it before computing build keys, so a registered spec always names its backend."""
+
     format: Literal[QuantFormat.EXL2] = QuantFormat.EXL2
     bpw: float = Field(ge=2.0, le=8.0)
     head_bits: int = 6
+    backend: EXL2Backend | None = None
 
     @field_validator("head_bits")
     @classmethod
@@ -170,8 +174,13 @@ class EXL2Spec(Frozen):
 
     @property
     def name(self) -> str:
+        """``EXL2-4.0bpw``; ``-h8`` for non-default head bits; ``-ref`` when built by the reference-cpu
+        backend (so its files are never mistaken for exllamav2's own conversion)."""
         text = f"{self.bpw:.2f}".rstrip("0")
-        return f"EXL2-{text}0bpw" if text.endswith(".") else f"EXL2-{text}bpw"
+        name = f"EXL2-{text}0bpw" if text.endswith(".") else f"EXL2-{text}bpw"
+        if self.head_bits != 6:
+            name += f"-h{self.head_bits}"
+        return name + ("-ref" if self.backend == EXL2Backend.REFERENCE_CPU else "")
 
 
 VariantSpec = Annotated[GGUFSpec | AWQSpec | EXL2Spec, Field(discriminator="format")]

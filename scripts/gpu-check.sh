@@ -18,7 +18,9 @@
 #
 # Sections: each adds <name>_prepare and <name>_run functions and its name to SECTIONS.
 #   awq   llm-compressor AWQ on CUDA + the transformers cross-check there   (tests/converters/test_awq_gpu.py)
-#   (exl2 is added by the EXL2 work: exl2_prepare / exl2_run)
+#   exl2  real exllamav2 conversion, codec bit-for-bit parity, ExLlamaV2 evaluation, golden fixtures
+#         (scripts/gpu-check-exl2.sh; it carries its own .gpu-carry/exl2, ~50 MB, in a third call:
+#          run(command="bash scripts/gpu-check.sh run-exl2", carry=[".gpu-carry/exl2"], timeout_s=420))
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,7 +29,7 @@ OUT="${OUT:-$ROOT/test-artifacts/gpu-check}"
 TARGET="${GPU_TARGET:-$ROOT/gpu-site}"
 DEVICE_PY="${DEVICE_PY:-3.12}"
 CARRY_LIMIT=$((64 * 1024 * 1024))
-SECTIONS="awq"
+SECTIONS="awq"  # exl2 runs in its own device call (its carry does not fit beside AWQ's): run-exl2
 
 log() { printf '[gpu-check] %s\n' "$*" | tee -a "$OUT/gpu-check.log" >&2; }
 
@@ -64,11 +66,15 @@ awq_run() {
   return "${PIPESTATUS[0]}"
 }
 
+exl2_prepare() { bash "$ROOT/scripts/gpu-check-exl2.sh" --prepare; }
+exl2_run() { OUT="$OUT" bash "$ROOT/scripts/gpu-check-exl2.sh"; }
+
 # --- driver -------------------------------------------------------------------------------------------
 prepare() {
   rm -rf "$CARRY" && mkdir -p "$CARRY/part1/wheels" "$CARRY/part2/wheels"
   core_prepare
   for s in $SECTIONS; do "${s}_prepare"; done
+  exl2_prepare
   # Wheels over 32 MB travel alone in part1.
   find "$CARRY/part2/wheels" -name '*.whl' -size +32M -exec mv {} "$CARRY/part1/wheels/" \;
   local part size
@@ -128,6 +134,7 @@ case "${1:-run}" in
   prepare) prepare ;;
   install) install_part "${2:?usage: $0 install gpu-carry/partN}" ;;
   run) run ;;
+  run-exl2) probe; exl2_run ;;
   check) check ;;
-  *) echo "usage: $0 prepare|run|check" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare|install PART|run|run-exl2|check" >&2; exit 2 ;;
 esac

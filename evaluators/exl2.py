@@ -1,0 +1,70 @@
+"""EXL2 evaluators.
+
+* :class:`ExLlamaV2Evaluator` (engine ``exllamav2``): the real engine, on CUDA, in the ExLlamaV2
+  interpreter (``evaluators/runners/exllamav2.py``): log-probs on the shared windows, and speed
+  (time to first token, decode tok/s at batch 1, the dynamic generator at N concurrent sequences).
+* :class:`EXL2ReferenceEvaluator` (engine ``exl2-reference``): runs anywhere. The transformers
+  runner loads the EXL2 folder by dequantizing every layer with Quantyard's codec (bit-exact with
+  ExLlamaV2's reconstruction) and scores it in fp32 on the same windows. It measures what the
+  quantization did to the model; it reports no speed, since a dequantized transformers model says
+  nothing about ExLlamaV2's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from evaluators.base import EvalOutcome, RunnerCommand, run_runner, score, speed_request
+from pipeline import exl2_env
+from pipeline.config import Settings
+from pipeline.plan import EvalSpec
+from pipeline.specs import Engine, QuantFormat
+
+HF_RUNNER = "evaluators.runners.hf"
+EXLLAMAV2_RUNNER = "evaluators.runners.exllamav2"
+
+
+class EXL2ReferenceEvaluator:
+    engine: ClassVar[Engine] = Engine.EXL2_REFERENCE
+    formats: ClassVar[frozenset[QuantFormat]] = frozenset({QuantFormat.EXL2})
+
+    def unavailable_reason(self, settings: Settings) -> str | None:
+        return None  # torch and transformers are part of the core environment
+
+    def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
+                 out_dir: Path, settings: Settings) -> EvalOutcome:
+        """Dequantize the EXL2 folder ``model`` into transformers (fp32, CPU) and score it on the windows."""
+        cmd = RunnerCommand(engine=self.engine, python=settings.core_python, module=HF_RUNNER)
+        request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
+                   "threads": settings.threads, "dtype": "float32", "device": "cpu", "loader": "exl2"}
+        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        quality = score(reference, out, self.engine)
+        version = f"quantyard exl2 codec; {out.result['engine_version']}"
+        return EvalOutcome(engine=self.engine.value, engine_version=version,
+                           hardware=out.result["hardware"], window_set_id=window_set_id, quality=quality,
+                           speed=None, wall_s=out.wall_s)
+
+
+class ExLlamaV2Evaluator:
+    engine: ClassVar[Engine] = Engine.EXLLAMAV2
+    formats: ClassVar[frozenset[QuantFormat]] = frozenset({QuantFormat.EXL2})
+
+    def unavailable_reason(self, settings: Settings) -> str | None:
+        return exl2_env.unavailable_reason(settings)
+
+    def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
+                 out_dir: Path, settings: Settings) -> EvalOutcome:
+        """Score the EXL2 folder ``model`` with ExLlamaV2 on CUDA, then time it.
+
+        Raises ToolchainMissingError when ExLlamaV2 cannot run here, EngineError when its runner fails.
+        """
+        rt = exl2_env.require(settings)
+        cmd = RunnerCommand(engine=self.engine, python=rt.python, module=EXLLAMAV2_RUNNER)
+        request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
+                   "threads": settings.threads, "speed": speed_request(spec)}
+        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        quality = score(reference, out, self.engine)
+        return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
+                           hardware=out.result["hardware"], window_set_id=window_set_id, quality=quality,
+                           speed=out.result.get("speed"), wall_s=out.wall_s)
