@@ -333,6 +333,7 @@ def _train_progress() -> Callable[[int, int, float], None]:
 def demo(registry: RegistryOpt = None, gguf: Annotated[str, typer.Option(help="GGUF types to build.")]
          = "Q8_0,Q6_K,Q4_K_M,Q3_K_M,Q2_K", threads: Annotated[int | None, typer.Option()] = None,
          awq: Annotated[bool, typer.Option("--awq/--no-awq", help="Add the AWQ variant (vLLM).")] = True,
+         exl2: Annotated[str, typer.Option(help="EXL2 bits per weight ('' for none).")] = "4.0,6.0",
          as_json: JsonOpt = False) -> None:
     """Build (or reuse) the demo checkpoint and run the main flow on it."""
     from pipeline.demo_model import cached_demo_model
@@ -342,7 +343,7 @@ def demo(registry: RegistryOpt = None, gguf: Annotated[str, typer.Option(help="G
     path = cached_demo_model(cfg.cache_dir, progress=_train_progress())
     # The demo's AWQ calibration is smaller than the default (64 x 256 tokens) to keep `make demo` short.
     plan = Plan(source=SourceInput(source=str(path)), model_name="demo", variants=variants_from_flags(
-        gguf=gguf, awq=awq, awq_opts={"calibration_samples": 32, "calibration_seq_len": 128}))
+        gguf=gguf, awq=awq, awq_opts={"calibration_samples": 32, "calibration_seq_len": 128}, exl2=exl2 or None))
     run_plan(plan, cfg, as_json)
 
 
