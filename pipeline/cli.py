@@ -85,7 +85,8 @@ def handle_errors(fn: F) -> F:
 @app.command()
 @handle_errors
 def convert(
-    source: Annotated[str, typer.Argument(help="Checkpoint folder, or hub id OWNER/NAME.")],
+    source: Annotated[str | None, typer.Argument(help="Checkpoint folder, or hub id OWNER/NAME (optional with "
+                                                 "--recipe: replaces the recipe's source).")] = None,
     gguf: Annotated[str | None, typer.Option(help="Comma-separated llama.cpp types: "
                                              + ", ".join(gguf_type_names()))] = None,
     awq: Annotated[bool, typer.Option("--awq", help="Add a 4-bit AWQ variant.")] = False,
@@ -132,9 +133,20 @@ def convert(
                                            "f16, bf16 or f32.")] = "auto",
     allow_tokenizer_mismatch: Annotated[bool, typer.Option(help="Register GGUFs whose tokenization differs "
                                                            "from the HF tokenizer (recorded).")] = False,
+    recipe: Annotated[Path | None, typer.Option(help="Recipe YAML (source, formats, eval, policy): see "
+                                                "docs/operations.md. Variant and evaluation flags do not apply.")]
+    = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert SOURCE into GGUF / AWQ / EXL2 variants, evaluate them and register them."""
+    if recipe is not None:
+        from pipeline.cli_deploy import convert_recipe
+
+        return convert_recipe(recipe, source, settings(registry, threads=threads), as_json)
+    if source is None:
+        from pipeline.errors import InvalidSpecError
+
+        raise InvalidSpecError("no SOURCE given", hint="pass a checkpoint folder or hub id, or --recipe FILE")
     from pipeline.plan import (
         CalibrationSpec,
         EvalSpec,
@@ -367,6 +379,7 @@ def main() -> None:
 __all__ = ["EXIT_USAGE", "app", "main"]
 
 # Commands defined in their own modules attach themselves to `app` when imported (app exists by now).
+import pipeline.cli_deploy  # noqa: E402
 import pipeline.cli_validate  # noqa: E402
 import pipeline.cli_web  # noqa: E402, F401
 

@@ -210,6 +210,16 @@ class EngineError(QuantyardError, RuntimeError):
         super().__init__(message, hint=hint)
 
 
+class StageError(QuantyardError, RuntimeError):
+    """A stage of a distributed run (a Prefect deployment run by a worker) failed, or finished without
+    recording its output in the registry's stage ledger."""
+
+    code = "stage_failed"
+    exit_code = EXIT_ENGINE
+    default_hint = ("see the stage's flow run in the Prefect UI (its logs name the error), then run the "
+                    "orchestration again: finished stages are reused")
+
+
 class DiskFullError(QuantyardError, OSError):
     code = "disk_full"
 

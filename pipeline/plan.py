@@ -205,7 +205,8 @@ def _exl2_backend(name: str) -> EXL2Backend | None:
 
 
 def load_recipe(path: Path) -> dict[str, object]:
-    """Read a YAML recipe (same keys as :class:`Plan`)."""
+    """Read a YAML recipe: either the keys of :class:`Plan`, or the recipe form of :mod:`pipeline.recipe`
+    (``source``, ``formats``, ``eval``, ``policy``, ``placement``)."""
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -215,7 +216,16 @@ def load_recipe(path: Path) -> dict[str, object]:
     return data
 
 
-def plan_from_recipe(data: dict[str, object]) -> Plan:
+def plan_from_recipe(data: dict[str, object], base: Path | None = None) -> Plan:
+    """The Plan of a one-source recipe; relative paths in the recipe form resolve against ``base``."""
+    if "formats" in data:
+        from pipeline.recipe import parse_recipe
+
+        _, plans = parse_recipe(data, base or Path.cwd())
+        if len(plans) != 1:
+            raise ConfigError(f"the recipe has {len(plans)} sources, expected one here",
+                              hint="use pipeline.recipe.parse_recipe for multi-source recipes")
+        return plans[0]
     try:
         return Plan.model_validate(data)
     except ValidationError as exc:

@@ -36,6 +36,9 @@ class ConvertReport(BaseModel):
     events: list[str] = Field(default_factory=list)
     wall_s: float = 0.0
     stage_s: dict[str, float] = Field(default_factory=dict)
+    #: Distributed runs (flows/orchestrate.py): one entry per stage — stage, pool, key, status
+    #: (ran | reused | failed | skipped), flow_run_id, work_pool, work_s, wall_s, dispatch_s, deps.
+    stages: list[dict[str, Any]] = Field(default_factory=list)
 
     def count(self, event: str) -> int:
         return sum(1 for e in self.events if e == event or e.startswith(event + ":"))

@@ -82,6 +82,12 @@ def _retryable(exc: Exception) -> bool:
     return isinstance(exc, OperationalError) and code in ("40001", "40P01")  # serialization, deadlock
 
 
+def _check_names(req: RegisterRequest) -> None:
+    validate_model_name(req.model)
+    if not _VARIANT_RE.match(req.variant):
+        raise InvalidReferenceError(f"invalid variant name {req.variant!r}: use letters, digits, '.', '_', '-'")
+
+
 class Registry:
     """Versioned registry API. Obtain one with :func:`registry.open_registry`.
 
@@ -222,9 +228,7 @@ class Registry:
         Re-registering the same ``build_key`` returns the existing version (``created=False``) unless
         ``force`` is set. Raises DiskFullError when the blob store is full (nothing is registered then).
         """
-        validate_model_name(req.model)
-        if not _VARIANT_RE.match(req.variant):
-            raise InvalidReferenceError(f"invalid variant name {req.variant!r}: use letters, digits, '.', '_', '-'")
+        _check_names(req)
         inputs = derive_inputs(req)
         for _ in range(3):
             stored = {name: self.blobs.put_file(path) for name, path in sorted(req.files.items())}
@@ -234,6 +238,20 @@ class Registry:
                 continue
         raise RegistryError("blobs kept disappearing while registering: is `quantyard registry gc` running with "
                             "a zero grace period?", hint="re-run with gc stopped")
+
+    def register_stored(self, req: RegisterRequest, stored: Mapping[str, StoredBlob], *,
+                        by: str | None = None) -> VersionView:
+        """Like :meth:`register_version` for files another process already put in the blob store (a build
+        stage on another machine): ``stored`` maps file names to their blobs; ``req.files`` is ignored.
+
+        Raises NotFoundError when a blob is not (or no longer) in the store: nothing is registered then.
+        """
+        _check_names(req)
+        try:
+            return self._retry(lambda: self._insert_version(req, stored, derive_inputs(req), by or actor()))
+        except _BlobVanished as exc:
+            raise NotFoundError(f"blob {exc} of {req.model}/{req.variant} is not in {self.blobs.url}",
+                                hint="run the build again: its files were removed before registration") from None
 
     def _insert_version(self, req: RegisterRequest, stored: Mapping[str, StoredBlob], inputs: list[InputView],
                         who: str) -> VersionView:

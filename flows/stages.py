@@ -1,0 +1,348 @@
+"""The stages of a distributed run, each a Prefect flow that ``quantyard deploy`` registers as a deployment
+on the CPU and on the GPU work pool (flows/deployments.py); flows/orchestrate.py runs them with
+``run_deployment``.
+
+Every stage reuses the plain step functions of ``flows.steps`` (the embedded ``convert_flow`` runs the
+same ones in one process). Stages exchange only registry references and blob digests, through the stage
+ledger (flows/ledger.py): a stage reads its upstream stages' records, does its work on whatever machine
+its worker runs on, puts the files it made into the blob store and records its outputs under its key.
+So every worker must reach the same registry (PostgreSQL + object storage, or a shared filesystem) and,
+for a folder source, the same folder; a hub source is downloaded by each machine into its own HF cache.
+
+A stage that finds its key already recorded returns that record without doing anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from pydantic import Field
+
+from converters.base import Prepared
+from evaluators import DEFAULT_ENGINE, get_evaluator
+from evaluators.reference import reference_key
+from flows import steps
+from flows.ledger import StageRecord, Stopwatch, find_stage, record_stage
+from pipeline.config import Settings
+from pipeline.errors import ConfigError, StageError
+from pipeline.plan import Plan
+from pipeline.specs import Frozen, SourceRef
+from registry import open_registry
+from registry.blobs import StoredBlob
+from registry.store import RegisterRequest, Registry
+
+StageName = Literal["resolve", "prepare", "build", "register", "reference", "evaluate"]
+#: Files of a format's shared preparation that later stages on other machines need, by ``Prepared.paths``
+#: name. They are put in the blob store and found again by digest. A format not listed here prepares
+#: on the machine that builds (AWQ: the tool environment is per machine).
+SHARED_PREPARED: dict[str, tuple[str, ...]] = {"gguf": ("base", "imatrix", "calibration")}
+#: Stages that hold a slot of their pool's concurrency limit while they work.
+HEAVY_STAGES: frozenset[str] = frozenset({"prepare", "build", "reference", "evaluate"})
+
+
+class StageRequest(Frozen):
+    """What one stage run is asked to do. ``plan`` is restricted to what the stage needs (one format, one
+    variant) and its source is pinned (a hub commit, or the folder whose content hash is
+    ``source_identity``). ``upstream`` maps a role (resolve, prepare, build, register, reference) to the
+    ledger key of the record this stage reads."""
+
+    stage: StageName
+    name: str
+    key: str
+    source_identity: str
+    plan: Plan
+    fmt: str | None = None
+    variant: str | None = None
+    engine: str | None = None
+    upstream: dict[str, str] = Field(default_factory=dict)
+    registry: str | None = None
+    blobs: str | None = None
+    pool: str = "cpu"
+
+
+@dataclass
+class StageContext:
+    request: StageRequest
+    settings: Settings
+    reg: Registry
+    scratch: Path
+    watch: Stopwatch
+
+    def upstream(self, role: str) -> StageRecord:
+        key = self.request.upstream.get(role)
+        record = find_stage(self.reg, self.request.source_identity, key) if key else None
+        if record is None:
+            raise StageError(f"stage {self.request.name} needs the {role} stage's record (key {str(key)[:16]}), "
+                             "which is not in the registry's ledger",
+                             hint="run the whole orchestration (quantyard orchestrate), not a single stage")
+        return record
+
+    def rows(self) -> tuple[str, str | None, SourceRef]:
+        """Model, architecture and source for the registry rows of this run (from the resolve record)."""
+        out = self.upstream("resolve").outputs
+        return out["model"], out["architecture"], SourceRef.model_validate(out["source"])
+
+
+Body = Callable[[StageContext], tuple[dict[str, Any], tuple[str, str | None, SourceRef]]]
+
+
+def stage_settings(request: StageRequest) -> Settings:
+    """This worker's Settings (its environment), pointed at the run's registry and blob store."""
+    overrides = {k: v for k, v in (("registry", request.registry), ("blobs", request.blobs)) if v}
+    return Settings(**overrides)  # type: ignore[arg-type]
+
+
+@contextmanager
+def _slot(name: str | None) -> Iterator[None]:
+    """Hold one slot of the pool's Prefect concurrency limit (one heavy job per GPU)."""
+    if not name:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    with concurrency(name, occupy=1, strict=False):
+        yield
+
+
+def run_stage(request: StageRequest, slot: str | None, body: Body) -> dict[str, Any]:
+    """Run ``body`` unless the ledger already holds ``request.key``; record its outputs under the key."""
+    logger = get_run_logger()
+    settings = stage_settings(request)
+    reg = open_registry(settings)
+    done = find_stage(reg, request.source_identity, request.key)
+    if done is not None:
+        logger.info("stage %s key %s: already recorded by flow run %s, nothing to do", request.name,
+                    request.key[:16], done.flow_run_id)
+        return done.model_dump(mode="json")
+    t0 = time.perf_counter()
+    watch = Stopwatch()
+    with steps.scratch_dir(settings) as tmp, _slot(slot if request.stage in HEAVY_STAGES else None):
+        ctx = StageContext(request=request, settings=settings, reg=reg, scratch=Path(tmp), watch=watch)
+        outputs, (model, architecture, source) = body(ctx)
+        record = StageRecord(stage=request.name, key=request.key, pool=request.pool, outputs=outputs,
+                             work_s=watch.total, wall_s=time.perf_counter() - t0, flow_run_id=_flow_run_id(),
+                             slot=slot if request.stage in HEAVY_STAGES else None)
+        record = record_stage(reg, model=model, architecture=architecture, source=source, record=record,
+                              scratch=Path(tmp))
+    logger.info("stage %s key %s: done, work %.2f s of %.2f s (events: %s)", request.name, request.key[:16],
+                record.work_s, record.wall_s, ",".join(outputs.get("events") or []) or "none")
+    return record.model_dump(mode="json")
+
+
+def _flow_run_id() -> str | None:
+    value = flow_run.get_id()
+    return str(value) if value else None
+
+
+# --- stage bodies ---------------------------------------------------------------------------------
+
+
+def _resolved(ctx: StageContext) -> steps.Resolved:
+    """The source on this machine (downloaded into its HF cache for a hub source), checked to be the
+    exact one the run was planned for."""
+    with ctx.watch:
+        resolved = steps.resolve(ctx.request.plan, ctx.settings)
+    if resolved.source.identity != ctx.request.source_identity:
+        raise ConfigError(f"the source resolved here to {resolved.source.identity}, the run was planned for "
+                          f"{ctx.request.source_identity}",
+                          hint="the folder changed while the run was going, or this worker sees a different "
+                               "folder: start the run again")
+    return resolved
+
+
+def _resolve_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+    resolved = _resolved(ctx)
+    ck = resolved.checkpoint
+    outputs = {"model": resolved.model_name, "architecture": resolved.architecture,
+               "source": resolved.source.model_dump(mode="json"), "torch_dtype": ck.torch_dtype,
+               "n_params": ck.n_params}
+    return outputs, (resolved.model_name, resolved.architecture, resolved.source)
+
+
+def _prepare_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+    req = ctx.request
+    assert req.fmt is not None
+    resolved = _resolved(ctx)
+    with ctx.watch:
+        prepared = steps.prepare_format(req.fmt, req.plan, resolved, list(req.plan.variants), ctx.settings)
+    shared = {}
+    for name in SHARED_PREPARED.get(req.fmt, ()):
+        if name not in prepared.paths:
+            continue
+        path = Path(prepared.paths[name])
+        art = ctx.reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
+                                          source=resolved.source, kind=f"{req.fmt}_{name}", key=req.key,
+                                          name=path.name, path=path, meta={"stage": req.name})
+        shared[name] = {"name": path.name, "sha256": art.sha256, "size": art.size}
+    outputs = {"shared": shared, "meta": prepared.meta, "events": prepared.events}
+    return outputs, (resolved.model_name, resolved.architecture, resolved.source)
+
+
+def _prepared_here(ctx: StageContext, resolved: steps.Resolved) -> Prepared:
+    """The format's preparation on this machine: the shared files from the blob store (linked under their
+    own names), or, for a format whose preparation is per machine, prepared here."""
+    req = ctx.request
+    assert req.fmt is not None
+    if req.fmt not in SHARED_PREPARED:
+        with ctx.watch:
+            return steps.prepare_format(req.fmt, req.plan, resolved, list(req.plan.variants), ctx.settings)
+    record = ctx.upstream("prepare")
+    folder = ctx.scratch / "prepared"
+    folder.mkdir()
+    paths = {}
+    for name, blob in record.outputs["shared"].items():
+        link = folder / blob["name"]
+        link.symlink_to(ctx.reg.local_blob(blob["sha256"], blob["size"]))
+        paths[name] = str(link)
+    return Prepared(paths=paths, meta=dict(record.outputs["meta"]))
+
+
+def variant_build_key(fmt: str, plan: Plan, resolved: steps.Resolved, spec: Any, settings: Settings) -> str:
+    """The registry build key of ``spec``, as the embedded flow computes it (so either mode reuses the other's)."""
+    tool = steps.tool_identity(fmt, plan, settings, spec)
+    return steps.build_key(resolved.source, spec, tool, steps.build_inputs(plan, resolved, spec, settings))
+
+
+def _build_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+    req = ctx.request
+    assert req.fmt is not None
+    resolved = _resolved(ctx)
+    who = (resolved.model_name, resolved.architecture, resolved.source)
+    # A spec that leaves its backend open (EXL2 "auto") is made concrete here, on the machine that builds
+    # it: its name, key and lineage say which backend this worker has (ExLlamaV2 on CUDA, or reference-cpu).
+    plan = steps.resolve_backends(req.plan, ctx.settings)
+    (spec,) = plan.variants
+    concrete = {"variant": spec.name, "spec": spec.model_dump(mode="json")}
+    key = variant_build_key(req.fmt, plan, resolved, spec, ctx.settings)
+    existing = None if plan.force else steps.find_existing(ctx.settings, resolved, spec, key)
+    if existing is not None:
+        return {"ref": existing.ref, "build_key": key, "events": ["reuse_version"], **concrete}, who
+    steps.sweep_stale(ctx.settings)
+    prepared = _prepared_here(ctx, resolved)
+    with steps.scratch_dir(ctx.settings, "staging") as staging:
+        with ctx.watch:
+            built = steps.build_variant(req.fmt, plan, resolved, prepared, spec, ctx.settings, Path(staging))
+        files = {}
+        for name, path in built.files.items():
+            blob = ctx.reg.blobs.put_file(path)
+            files[name] = {"sha256": blob.sha256, "size": blob.size}
+    outputs = {"build_key": key, "files": files, "lineage": steps.lineage(resolved, spec, built, key),
+               "events": list(built.events), "info": built.info, **concrete}
+    return outputs, who
+
+
+def _register_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+    req = ctx.request
+    model, architecture, source = who = ctx.rows()
+    build = ctx.upstream("build").outputs
+    if "ref" in build:
+        return {"ref": build["ref"], "created": False}, who
+    stored = {name: StoredBlob(sha256=b["sha256"], size=b["size"], created=False) for name, b in build["files"].items()}
+    request = RegisterRequest(model=model, architecture=architecture, source=source, variant=build["variant"],
+                              format=req.fmt or "", spec=build["spec"],
+                              build_key=build["build_key"], lineage=build["lineage"], files={}, force=req.plan.force)
+    view = ctx.reg.register_stored(request, stored)
+    return {"ref": view.ref, "created": view.created, "events": ["register"] if view.created else []}, who
+
+
+def _reference_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+    resolved = _resolved(ctx)
+    spec = ctx.request.plan.eval
+    with ctx.watch:
+        windows, ws_meta, built = steps.ensure_window_set(ctx.settings, resolved, spec)
+        _, ref_meta, computed = steps.ensure_reference(ctx.settings, resolved, windows, ws_meta, spec)
+    ws_art = next(a for a in ctx.reg.list_source_artifacts(resolved.source.identity, "window_set")
+                  if a.meta.get("id") == ws_meta["id"])
+    ref_art = ctx.reg.find_source_artifact(resolved.source, "reference", reference_key(str(ws_meta["id"]), spec))
+    assert ref_art is not None
+    events = (["window_set"] if built else []) + (["reference"] if computed else [])
+    outputs = {"window_set": {"sha256": ws_art.sha256, "size": ws_art.size, "meta": ws_meta},
+               "reference": {"sha256": ref_art.sha256, "size": ref_art.size, "meta": ref_meta}, "events": events}
+    return outputs, (resolved.model_name, resolved.architecture, resolved.source)
+
+
+def _evaluate_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+    req = ctx.request
+    assert req.fmt is not None and req.engine is not None
+    who = ctx.rows()
+    ref = ctx.upstream("register").outputs["ref"]
+    evidence = ctx.upstream("reference").outputs
+    ws, rf = evidence["window_set"], evidence["reference"]
+    version = ctx.reg.get_version(ref)
+    base = {"ref": ref, "engine": req.engine}
+    if steps.has_quality_result(version, req.engine, str(ws["meta"]["id"])):
+        return {**base, "events": ["reuse_result"]}, who
+    default = DEFAULT_ENGINE[req.fmt]
+    reason = get_evaluator(req.engine).skip_reason(version.spec) if req.engine != default else None
+    if reason:
+        return {**base, "skipped": reason, "events": []}, who
+    windows = ctx.reg.local_blob(ws["sha256"], ws["size"])
+    reference = ctx.reg.local_blob(rf["sha256"], rf["size"])
+    with ctx.watch:
+        outcome = steps.evaluate_version(ctx.settings, ref, req.fmt, windows, ws["meta"], reference, req.plan.eval,
+                                         None if req.engine == default else req.engine)
+    return {**base, "engine_version": outcome.engine_version, "events": ["evaluate"]}, who
+
+
+BODIES: dict[str, Body] = {"resolve": _resolve_body, "prepare": _prepare_body, "build": _build_body,
+                           "register": _register_body, "reference": _reference_body, "evaluate": _evaluate_body}
+
+
+# --- the stage flows (one per stage; deployed once per pool) --------------------------------------
+
+
+@flow(name="quantyard-resolve", flow_run_name="{request.name}", log_prints=True)
+def resolve_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
+    """Pin, download (hub) and validate the source; record the checkpoint's facts."""
+    return run_stage(request, slot, _resolve_body)
+
+
+@flow(name="quantyard-prepare", flow_run_name="{request.name}", log_prints=True)
+def prepare_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
+    """A format's shared work (the GGUF F16/BF16 base, the imatrix), put in the blob store."""
+    return run_stage(request, slot, _prepare_body)
+
+
+@flow(name="quantyard-build", flow_run_name="{request.name}", log_prints=True)
+def build_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
+    """Convert or quantize one variant; its files go to the blob store (registered by the register stage)."""
+    return run_stage(request, slot, _build_body)
+
+
+@flow(name="quantyard-register", flow_run_name="{request.name}", log_prints=True)
+def register_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
+    """Register a built variant's version from the digests its build stage stored."""
+    return run_stage(request, slot, _register_body)
+
+
+@flow(name="quantyard-reference", flow_run_name="{request.name}", log_prints=True)
+def reference_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
+    """The window set and the reference log-probs of the source (registry artifacts, computed once)."""
+    return run_stage(request, slot, _reference_body)
+
+
+@flow(name="quantyard-evaluate", flow_run_name="{request.name}", log_prints=True)
+def evaluate_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
+    """Evaluate one registered version on one engine; results go to the registry."""
+    return run_stage(request, slot, _evaluate_body)
+
+
+STAGE_FLOWS: dict[str, Any] = {"resolve": resolve_stage, "prepare": prepare_stage, "build": build_stage,
+                               "register": register_stage, "reference": reference_stage,
+                               "evaluate": evaluate_stage}
+
+
+def deployment_name(stage: str, pool: str) -> str:
+    """``flow name/deployment name`` of a stage on a logical pool (cpu or gpu)."""
+    return f"{STAGE_FLOWS[stage].name}/{pool}"
+
+
+__all__ = ["BODIES", "HEAVY_STAGES", "SHARED_PREPARED", "STAGE_FLOWS", "StageRequest", "deployment_name",
+           "run_stage", "stage_settings", "variant_build_key"]
