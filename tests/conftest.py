@@ -56,12 +56,21 @@ def artifacts_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def prefect_harness() -> Iterator[None]:
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120), temporary_settings(
             {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        yield
+        # CLI subprocesses started by tests use this server too, instead of each starting an embedded one.
+        previous = os.environ.get("PREFECT_API_URL")
+        os.environ["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("PREFECT_API_URL", None)
+            else:
+                os.environ["PREFECT_API_URL"] = previous
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +111,8 @@ def demo_registry_template(tmp_path_factory: pytest.TempPathFactory, demo_model:
     cfg = make_settings(base / "registry", base / "work", cache_dir)
     plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
                 variants=variants_from_flags(gguf=",".join(DEMO_GGUF_TYPES)),
-                eval=EvalSpec(speed=SpeedSpec(repeats=1, gen_tokens=32, parallel=(1, 4), parallel_prompt_tokens=32,
+                eval=EvalSpec(max_windows=24,
+                              speed=SpeedSpec(repeats=1, gen_tokens=32, parallel=(1, 4), parallel_prompt_tokens=32,
                                               parallel_gen_tokens=16)))
     report = convert_flow(plan, cfg)
     return {"registry": base / "registry", "work": base / "work", "report": report}
@@ -165,3 +175,34 @@ def awq_registry_template(tmp_path_factory: pytest.TempPathFactory, demo_model: 
     t0 = time.perf_counter()
     report = convert_flow(plan, cfg)
     return {"registry": base / "registry", "settings": cfg, "report": report, "wall_s": time.perf_counter() - t0}
+
+
+#: The repo id the hub emulator serves in tests (tests/hub_emulator.py).
+HUB_REPO = "tiny-org/tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_sharded(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Path:
+    """A tiny Llama saved in shards (model-0000N-of-0000M.safetensors + index), demo tokenizer."""
+    from tests.factories import arch_checkpoint
+
+    return arch_checkpoint(tmp_path_factory.mktemp("hubsrc") / "tiny", demo_model, "llama", layers=1,
+                           max_shard_size="2MB")
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[object]:
+    """The emulator, with the standard HF configuration pointing at it: HF_ENDPOINT, a private HF_HUB_CACHE,
+    and offline mode (which tests/conftest.py turns on for every test) turned off for loopback."""
+    import huggingface_hub.constants
+
+    from tests.hub_emulator import HubEmulator
+
+    server = HubEmulator().start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once at import
+    yield server
+    server.stop()

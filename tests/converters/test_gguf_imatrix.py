@@ -53,7 +53,8 @@ def test_imatrix_and_plain_q4km_both_registered_with_distinct_lineage(
     cfg = make_settings(demo_registry, demo_registry_template["work"], cache_dir)  # type: ignore[arg-type]
     plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
                 variants=variants_from_flags(gguf="Q4_K_M,IQ4_XS", imatrix=True),
-                eval=EvalSpec(speed=SpeedSpec(enabled=False)), calibration=CalibrationSpec(chunks=CHUNKS))
+                eval=EvalSpec(max_windows=16, speed=SpeedSpec(enabled=False)),
+                calibration=CalibrationSpec(chunks=CHUNKS))
     report = convert_flow(plan, cfg)
     assert report.ok, report
     assert report.count("imatrix") == 1 and report.count("quantize") == 2 and report.count("convert_base") == 0

@@ -4,7 +4,6 @@ use of the cache, gated and private repos, and a conversion of a hub source thro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,34 +14,9 @@ from pipeline.config import Settings
 from pipeline.errors import SourceAccessError, SourceNotFoundError, UnsafeSourceError
 from pipeline.plan import EvalSpec, Plan, SourceInput, variants_from_flags
 from registry import open_registry
+from tests.conftest import HUB_REPO as REPO
 from tests.conftest import make_settings
-from tests.factories import arch_checkpoint
 from tests.hub_emulator import HubEmulator
-
-REPO = "tiny-org/tiny-llama"
-
-
-@pytest.fixture(scope="module")
-def tiny_sharded(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Path:
-    """A tiny Llama saved in shards (model-0000N-of-0000M.safetensors + index), demo tokenizer."""
-    return arch_checkpoint(tmp_path_factory.mktemp("hubsrc") / "tiny", demo_model, "llama", layers=1,
-                           max_shard_size="2MB")
-
-
-@pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[HubEmulator]:
-    """The emulator, with the standard HF configuration pointing at it: HF_ENDPOINT, a private HF_HUB_CACHE,
-    and offline mode (which tests/conftest.py turns on for every test) turned off for loopback."""
-    import huggingface_hub.constants
-
-    server = HubEmulator().start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once at import
-    yield server
-    server.stop()
 
 
 def _settings(tmp_path: Path, registry_path: Path, cache_dir: Path) -> Settings:

@@ -45,7 +45,7 @@ def test_speed_is_recorded_with_hardware(demo_registry_template: dict) -> None:
     m = speed.metrics
     for key in ("prompt_tok_per_s", "decode_tok_per_s", "ttft_ms"):
         assert m[key]["median"] > 0 and m[key]["min"] <= m[key]["median"] <= m[key]["max"]
-    assert set(m["parallel"]["by_parallel"]) == {"1", "4"}
+    assert set(m["parallel"]["by_parallel"]) == {"1", "4"}, m["parallel"]
     assert m["parallel"]["by_parallel"]["4"]["aggregate_tok_per_s"] > 0
     assert speed.hardware["cores"] and speed.hardware["threads"] == 2 and speed.hardware["cpu"]
     assert "llama-cpp-python 0.3.36" in speed.engine_version

@@ -62,7 +62,8 @@ def test_topk_kld_is_a_lower_bound(pl: np.ndarray, ql: np.ndarray, k: int) -> No
     lp, lq = _softmax_logp(pl), _softmax_logp(ql)
     exact = (np.exp(lp) * (lp - lq)).sum(axis=1)
     approx = kld_per_position(ref["topk_logprobs"], ref["tail_logprob"], q["at_ref_logprobs"], q["at_ref_tail"])
-    assert np.all(approx <= exact + 1e-6)
+    # The runner stores log-probs as float32 (relative precision ~6e-8 on values up to |12|): allow that much.
+    assert np.all(approx <= exact + 1e-6 + 1e-5 * np.abs(exact)), (approx, exact)
     assert np.all(approx >= 0)
 
 

@@ -26,9 +26,9 @@ pytestmark = pytest.mark.slow
 PLACEMENT = {"reference": "gpu", "engines": {"llama.cpp": "gpu"}}
 
 
-def write_recipe(path: Path, source: Path, types: list[str], name: str = "demo") -> Path:
+def write_recipe(path: Path, source: Path, types: list[str], name: str = "demo", evaluate: bool = True) -> Path:
     recipe = {"name": name, "source": str(source), "formats": {"gguf": {"types": types}},
-              "eval": {"max_windows": 4, "speed": False}, "placement": PLACEMENT}
+              "eval": {"max_windows": 4, "speed": False} if evaluate else {"enabled": False}, "placement": PLACEMENT}
     path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
     return path
 
@@ -142,7 +142,7 @@ def _wait_for_quantizer(cluster: PrefectCluster, worker_pid: int, timeout: float
 def test_killed_worker_mid_quantization_resumes_at_the_unfinished_stage(
         cluster: PrefectCluster, demo_model: Path, tmp_path: Path) -> None:
     registry = tmp_path / "shared-registry"
-    recipe = write_recipe(tmp_path / "recipe.yaml", demo_model, ["Q6_K"])
+    recipe = write_recipe(tmp_path / "recipe.yaml", demo_model, ["Q6_K"], evaluate=False)
     orch = cluster.cli_popen("orchestrate-crash", "orchestrate", str(recipe), "--registry", str(registry), "--json")
     worker = cluster.procs["worker-cpu"]
     _wait_for_quantizer(cluster, worker.pid)
@@ -164,8 +164,7 @@ def test_killed_worker_mid_quantization_resumes_at_the_unfinished_stage(
     assert status["resolve"] == "reused" and status["prepare:gguf"] == "reused"
     assert status["build:Q6_K"] == "ran" and status["register:Q6_K"] == "ran"
     assert "quantize:build:Q6_K" in report["events"] and "convert_base:prepare:gguf" not in report["events"]
-    assert _variants(reg) == {"Q6_K"}
-    assert report["variants"][0]["quality"]["kld_mean"] > 0
+    assert _variants(reg) == {"Q6_K"} and report["variants"][0]["status"] == "registered"
     # The killed build's flow run is left RUNNING on the server (Prefect does not know its process died):
     # the rerun ran the stage again as a new flow run under the same key.
     builds = [r for r in stage_runs(cluster) if r["name"] == "build:Q6_K"]

@@ -11,7 +11,9 @@ import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from tests.conftest import HUB_REPO as REPO
 from tests.factories import copy_checkpoint
+from tests.hub_emulator import HubEmulator
 
 
 def _recipe(path: Path, source: Path, **extra: object) -> Path:
@@ -36,7 +38,7 @@ def _tick(recipe: Path, registry: Path) -> list[dict]:
     result = CliRunner().invoke(app, ["watch", str(recipe), "--once", "--embedded", "--registry", str(registry),
                                       "--json"])
     assert result.exit_code == 0, result.output
-    return json.loads(result.output[result.output.index("["):])
+    return json.loads(result.stdout[result.stdout.index("["):])
 
 
 def test_watch_builds_once_per_content_change(tmp_path: Path, demo_model: Path, prefect_harness: None) -> None:
@@ -103,3 +105,26 @@ def test_bad_recipes_are_named(tmp_path: Path, edit: dict, expected: str) -> Non
     assert result.exit_code == 2, result.output
     assert expected in result.output
     assert not (tmp_path / "r").exists()
+
+
+def test_watch_rebuilds_a_hub_source_when_its_branch_moves(hub: HubEmulator, tiny_sharded: Path, tmp_path: Path,
+                                                            prefect_harness: None) -> None:
+    """The ggml-org/convert ``.src_sha`` behaviour, kept by the registry: one model-info call per tick, a build
+    only when ``main`` points at a commit no registered version was built from."""
+    from registry import open_registry
+
+    first_sha = hub.push(REPO, tiny_sharded)
+    recipe = tmp_path / "hub.yaml"
+    recipe.write_text(yaml.safe_dump({"source": REPO, "revision": "main", "formats": {"gguf": {"types": ["Q8_0"]}},
+                                      "eval": {"enabled": False}}), encoding="utf-8")
+    registry = tmp_path / "registry"
+    assert _tick(recipe, registry)[0]["identity"] == f"hub:{REPO}@{first_sha}"
+    hub.requests.clear()
+    assert _tick(recipe, registry)[0]["changed"] is False
+    assert [r.kind for r in hub.requests] == ["info"]  # the branch was checked, nothing downloaded
+
+    second_sha = hub.push(REPO, tiny_sharded, extra={"README.md": b"# a new commit on main\n"})
+    moved = _tick(recipe, registry)
+    assert moved[0]["changed"] is True and moved[0]["identity"] == f"hub:{REPO}@{second_sha}"
+    versions = open_registry(str(registry)).list_versions(REPO, "Q8_0")
+    assert [(v.number, v.source["commit"]) for v in versions] == [(1, first_sha), (2, second_sha)]

@@ -31,9 +31,12 @@ def _register(args: argparse.Namespace) -> None:
         (args.barrier / f"ready-{args.prefix}").touch()
         while not (args.barrier / "go").exists():
             time.sleep(0.01)
+    started = time.time()
     for i in range(args.count):
         data = f"shared-{i}".encode() * 100 if i % 2 == 0 else f"{args.prefix}-{i}".encode() * 100
         reg.register_version(request(args.workdir, key=f"{args.prefix}-{i}", data=data))
+    if args.barrier:  # when this writer was registering (wall clock: comparable between processes)
+        (args.barrier / f"span-{args.prefix}").write_text(f"{started} {time.time()}")
 
 
 def _crash(args: argparse.Namespace) -> None:

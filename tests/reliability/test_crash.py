@@ -45,7 +45,11 @@ def _tagged(tag: str) -> list[int]:
 
 
 def _env(tmp: Path) -> dict[str, str]:
+    """The CLI's environment: the session's Prefect server (so no run pays for starting an embedded one)."""
+    from prefect.settings import PREFECT_API_URL
+
     env = dict(os.environ)
+    env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
     env.update({"QUANTYARD_WORK_DIR": str(tmp / "work"), "QUANTYARD_THREADS": "2", "QUANTYARD_TEST_TAG": tmp.name,
                 "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PREFECT_LOGGING_LEVEL": "INFO"})
     return env
@@ -94,7 +98,7 @@ def _verify(registry: Path, env: dict[str, str]) -> None:
 
 @pytest.fixture
 def reap(tmp_path: Path):
-    """Prefect's embedded server outlives a SIGKILLed client (it is Prefect's process, not ours): reap it."""
+    """Anything a killed run left behind (an embedded Prefect server outlives a SIGKILLed client): reap it."""
     yield
     for pid in _tagged(tmp_path.name):
         with contextlib.suppress(ProcessLookupError):
@@ -102,7 +106,7 @@ def reap(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_kill_at_each_stage_then_resume(tmp_path: Path, demo_model: Path, reap: None) -> None:
+def test_kill_at_each_stage_then_resume(tmp_path: Path, demo_model: Path, prefect_harness: None, reap: None) -> None:
     registry = tmp_path / "registry"
     env = _env(tmp_path)
     cmd = _cmd(demo_model, registry)
