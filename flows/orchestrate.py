@@ -291,14 +291,16 @@ def _outcome(spec: Any, outcomes: dict[str, dict[str, Any]], report: ConvertRepo
     out.variant = version.variant  # the concrete name (an open EXL2 backend resolved on the build worker)
     out.size, out.bpw = version.size, (version.lineage.get("info") or {}).get("bpw")
     out.events = list(((build.get("record") or {}).get("outputs") or {}).get("events") or [])
-    engine = DEFAULT_ENGINE[out.format]
-    evaluation = outcomes.get(f"evaluate:{spec.name}:{engine}")
+    evaluation = outcomes.get(f"evaluate:{spec.name}:{DEFAULT_ENGINE[out.format]}")
     if evaluation is None:
         return out
-    out.engine = engine
     if evaluation["status"] not in ("ran", "reused"):
+        out.engine = DEFAULT_ENGINE[out.format]
         out.eval_status, out.eval_error = "failed", evaluation.get("error")
         return out
+    # The engine that really ran (a reference engine stands in where the format's own cannot run).
+    evaluated = ((evaluation.get("record") or {}).get("outputs") or {})
+    engine = out.engine = evaluated.get("engine") or DEFAULT_ENGINE[out.format]
     ws_id = str((report.window_set or {}).get("id", ""))
     for r in version.results:
         if r.status == "ok" and r.engine == engine and r.kind == "quality" and r.window_set_id == ws_id:

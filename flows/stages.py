@@ -26,7 +26,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from converters.base import Prepared
-from evaluators import DEFAULT_ENGINE, get_evaluator
+from evaluators import DEFAULT_ENGINE, engine_for, get_evaluator
 from evaluators.reference import reference_key
 from flows import steps
 from flows.ledger import StageRecord, Stopwatch, find_stage, record_stage
@@ -276,19 +276,24 @@ def _evaluate_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | 
     evidence = ctx.upstream("reference").outputs
     ws, rf = evidence["window_set"], evidence["reference"]
     version = ctx.reg.get_version(ref)
-    base = {"ref": ref, "engine": req.engine}
-    if steps.has_quality_result(version, req.engine, str(ws["meta"]["id"])):
-        return {**base, "events": ["reuse_result"]}, who
     default = DEFAULT_ENGINE[req.fmt]
-    reason = get_evaluator(req.engine).skip_reason(version.spec) if req.engine != default else None
-    if reason:
-        return {**base, "skipped": reason, "events": []}, who
+    if req.engine == default:  # the format's engine, or the reference engine standing in for it on this machine
+        engine, fallback = engine_for(req.fmt, ctx.settings)
+    else:
+        engine, fallback = req.engine, None
+        reason = get_evaluator(engine).skip_reason(version.spec)
+        if reason:
+            return {"ref": ref, "engine": engine, "skipped": reason, "events": []}, who
+    base = {"ref": ref, "engine": engine, "fallback": fallback}
+    if steps.has_quality_result(version, engine, str(ws["meta"]["id"])):
+        return {**base, "events": ["reuse_result"]}, who
     windows = ctx.reg.local_blob(ws["sha256"], ws["size"])
     reference = ctx.reg.local_blob(rf["sha256"], rf["size"])
     with ctx.watch:
         outcome = steps.evaluate_version(ctx.settings, ref, req.fmt, windows, ws["meta"], reference, req.plan.eval,
-                                         None if req.engine == default else req.engine)
-    return {**base, "engine_version": outcome.engine_version, "events": ["evaluate"]}, who
+                                         None if req.engine == default else engine)
+    return {**base, "engine": outcome.engine, "engine_version": outcome.engine_version,
+            "events": ["evaluate"]}, who
 
 
 BODIES: dict[str, Body] = {"resolve": _resolve_body, "prepare": _prepare_body, "build": _build_body,
