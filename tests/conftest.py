@@ -29,6 +29,9 @@ from pipeline.config import Settings
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 DEMO_GGUF_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q2_K")
+#: Windows the demo registry template is evaluated on; tests that add variants to it use the same number,
+#: so they share its window set and reference.
+DEMO_WINDOWS = 24
 
 
 def shared_cache() -> Path:
@@ -111,7 +114,7 @@ def demo_registry_template(tmp_path_factory: pytest.TempPathFactory, demo_model:
     cfg = make_settings(base / "registry", base / "work", cache_dir)
     plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
                 variants=variants_from_flags(gguf=",".join(DEMO_GGUF_TYPES)),
-                eval=EvalSpec(max_windows=24,
+                eval=EvalSpec(max_windows=DEMO_WINDOWS,
                               speed=SpeedSpec(repeats=1, gen_tokens=32, parallel=(1, 4), parallel_prompt_tokens=32,
                                               parallel_gen_tokens=16)))
     report = convert_flow(plan, cfg)

@@ -23,7 +23,7 @@ from pipeline.errors import ConfigError, InvalidSpecError
 from pipeline.plan import CalibrationSpec, EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
 from pipeline.specs import GGUFSpec
 from registry import open_registry
-from tests.conftest import make_settings, registry_snapshot
+from tests.conftest import DEMO_WINDOWS, make_settings, registry_snapshot
 
 CHUNKS = 4  # 4 x 512 calibration tokens: one llama-imatrix pass, enough to exercise the path
 
@@ -53,7 +53,7 @@ def test_imatrix_and_plain_q4km_both_registered_with_distinct_lineage(
     cfg = make_settings(demo_registry, demo_registry_template["work"], cache_dir)  # type: ignore[arg-type]
     plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
                 variants=variants_from_flags(gguf="Q4_K_M,IQ4_XS", imatrix=True),
-                eval=EvalSpec(max_windows=16, speed=SpeedSpec(enabled=False)),
+                eval=EvalSpec(max_windows=DEMO_WINDOWS, speed=SpeedSpec(enabled=False)),
                 calibration=CalibrationSpec(chunks=CHUNKS))
     report = convert_flow(plan, cfg)
     assert report.ok, report

@@ -16,7 +16,7 @@ from pipeline.cli import app
 from pipeline.errors import InvalidSpecError
 from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, parse_split_size, variants_from_flags
 from registry import open_registry
-from tests.conftest import make_settings
+from tests.conftest import DEMO_WINDOWS, make_settings
 
 
 def test_split_size_is_validated() -> None:
@@ -31,7 +31,8 @@ def test_split_variant_registered_evaluated_and_pulled(demo_model: Path, demo_re
                                                        tmp_path: Path, prefect_harness: None) -> None:
     cfg = make_settings(demo_registry, demo_registry_template["work"], cache_dir)  # type: ignore[arg-type]
     plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo", variants=variants_from_flags(
-        gguf="Q4_K_M"), eval=EvalSpec(max_windows=16, speed=SpeedSpec(enabled=False)), gguf_split_max_size="1M")
+        gguf="Q4_K_M"), eval=EvalSpec(max_windows=DEMO_WINDOWS, speed=SpeedSpec(enabled=False)),
+        gguf_split_max_size="1M")
     report = convert_flow(plan, cfg)
     assert report.ok and report.count("split") == 1, report
     reg = open_registry(cfg.registry)
