@@ -354,14 +354,15 @@ class HashCache:
                 row = conn.execute("SELECT d FROM h WHERE p=? AND s=? AND m=? AND i=?", key).fetchone()
                 if row:
                     return str(row[0])
-        digest = _sha256(path)
+        digest = file_sha256(path)
         if self.db is not None:
             with sqlite3.connect(self.db, timeout=30) as conn:
                 conn.execute("INSERT OR REPLACE INTO h VALUES (?,?,?,?,?)", (*key, digest))
         return digest
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with path.open("rb") as fh:
         while chunk := fh.read(4 << 20):

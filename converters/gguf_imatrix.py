@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from converters.checkpoint import file_sha256
 from converters.gguf_tokenizer import gguf_tokens
 from pipeline.errors import ConfigError, ConversionError
 from pipeline.proc import run_logged
@@ -47,14 +48,6 @@ class ImatrixRequest:
         payload = {"calibration": self.calibration_sha256, "chunks": self.chunks, "context": self.context,
                    "base_type": base_type, "tool": tool}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(4 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def ensure_imatrix(base: Path, folder: Path, request: ImatrixRequest, key: str, *, bin_dir: Path,

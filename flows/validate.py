@@ -8,7 +8,6 @@ folder with a declared source (``--source``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec
 from pipeline.policy import Policy, quant_class
 from pipeline.specs import GGUFType, Ref, VersionState
 from registry import open_registry
+from registry.blobs import sha256_file
 from registry.store import VersionView
 
 
@@ -131,7 +131,7 @@ def resolve_target(text: str, settings: Settings, opts: ValidateOptions, work: P
 
 def check_integrity(target: Target, settings: Settings) -> tuple[str, dict[str, Any]]:
     if target.version is None:
-        digests = {p.name: _sha256(p) for p in target.files}
+        digests = {p.name: sha256_file(p) for p in target.files}
         empty = [p.name for p in target.files if p.stat().st_size == 0]
         if empty:
             raise CheckFailed(f"empty files: {', '.join(empty)}")
@@ -142,20 +142,12 @@ def check_integrity(target: Target, settings: Settings) -> tuple[str, dict[str, 
         if not blob.is_file():
             bad.append(f"{f.name}: blob missing")
             continue
-        size, digest = blob.stat().st_size, _sha256(blob)
+        size, digest = blob.stat().st_size, sha256_file(blob)
         if size != f.size or digest != f.sha256:
             bad.append(f"{f.name}: expected {f.size} B sha256 {f.sha256[:16]}…, found {size} B {digest[:16]}…")
     if bad:
         raise CheckFailed("; ".join(bad))
     return f"{len(target.version.files)} files match their sha256 and size", {}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(4 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_format(target: Target) -> tuple[str, dict[str, Any]]:
@@ -343,7 +335,7 @@ def check_reproducibility(target: Target, settings: Settings, work: Path) -> tup
     prepared = steps.prepare_format(fmt, plan, resolved, [spec], fresh)
     built = steps.build_variant(fmt, plan, resolved, prepared, spec, fresh, work / "rebuild")
     recorded = {f.name: f.sha256 for f in target.version.files}
-    rebuilt = {name: _sha256(path) for name, path in built.files.items()}
+    rebuilt = {name: sha256_file(path) for name, path in built.files.items()}
     if rebuilt != recorded:
         diff = {n: (recorded.get(n), rebuilt.get(n)) for n in set(recorded) | set(rebuilt)
                 if recorded.get(n) != rebuilt.get(n)}
