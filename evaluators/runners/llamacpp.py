@@ -91,7 +91,9 @@ def _parallel(req: dict[str, Any], speed: dict[str, Any]) -> dict[str, Any]:
     """Aggregate decode throughput at N parallel sequences, via llama-batched-bench (same build).
 
     Every requested N must come back: a missing row is measured again once, then reported as an error
-    with the tool's output (never silently dropped)."""
+    with the tool's output (never silently dropped). The tool prints its rows through llama.cpp's
+    asynchronous logger, which can lose the last line when the process exits right after it: a short
+    sentinel run (N=1 again) follows the requested ones so that the real last row gets written."""
     rows: dict[str, dict[str, Any]] = {}
     todo = [int(n) for n in speed["parallel"]]
     for _ in range(2):
@@ -112,7 +114,7 @@ def _batched_bench(req: dict[str, Any], speed: dict[str, Any], npl: list[int]) -
     pp, tg = int(speed["parallel_prompt_tokens"]), int(speed["parallel_gen_tokens"])
     ctx = max(npl) * (pp + tg) + 64
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", req["model"], "-c", str(ctx), "-b", "2048", "-ub", "512",
-           "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, npl)), "-t", str(req["threads"]),
+           "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, [*npl, 1])), "-t", str(req["threads"]),
            "--output-format", "jsonl", "-ngl", str(req.get("n_gpu_layers", 0))]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=speed.get("timeout_s", 1800))
 
@@ -129,7 +131,7 @@ def _bench_rows(stdout: str) -> dict[str, dict[str, Any]]:
         except json.JSONDecodeError:
             start = stdout.find("{", start + 1)
             continue
-        if isinstance(row, dict) and "pl" in row:
+        if isinstance(row, dict) and "pl" in row and str(row["pl"]) not in rows:  # the sentinel repeats N=1
             rows[str(row["pl"])] = {"aggregate_tok_per_s": row.get("speed"), "decode_tok_per_s": row.get("speed_tg"),
                                     "prompt_tok_per_s": row.get("speed_pp"), "prompt_tokens": row.get("pp"),
                                     "gen_tokens": row.get("tg")}
