@@ -8,6 +8,11 @@ first target index scored, chosen so that with overlapping windows every text
 token is scored exactly once, always with the most context available. A partial
 last window is dropped.
 
+``score_from`` raises the first scored target index of every window: targets before it are
+context only. ``score_from = window // 2 + 1`` with ``stride = window`` scores exactly the
+positions ``llama-perplexity`` scores (the second half of each chunk: every target then has at
+least half a window of context); the default, 1, scores every target.
+
 The id of a window set is the sha256 of (ids, window, stride, score_start); the
 file is stored as a registry artifact of the source and reused by every engine.
 """
@@ -22,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import InvalidSpecError
+from pipeline.plan import check_score_from
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,8 @@ class WindowSet:
 
     def meta(self) -> dict[str, object]:
         return {"id": self.id, "window": self.window, "stride": self.stride, "add_bos": self.add_bos,
-                "n_windows": self.n_windows, "n_scored": self.n_scored, "text_sha256": self.text_sha256}
+                "n_windows": self.n_windows, "n_scored": self.n_scored, "score_from": int(self.score_start.min()),
+                "text_sha256": self.text_sha256}
 
     def save(self, path: Path) -> None:
         buf = io.BytesIO()
@@ -72,10 +79,11 @@ class WindowSet:
 
 
 def cut_windows(tokens: list[int], *, window: int, stride: int, bos_id: int | None,
-                max_windows: int | None = None, text_sha256: str = "") -> WindowSet:
+                max_windows: int | None = None, text_sha256: str = "", score_from: int = 1) -> WindowSet:
     """Cut ``tokens`` (text token ids, no specials) into a :class:`WindowSet`."""
     if window < 2 or stride < 1:
         raise InvalidSpecError(f"window must be >= 2 and stride >= 1, got window={window}, stride={stride}")
+    check_score_from(window, score_from)
     bos = 1 if bos_id is not None else 0
     n_text = window - bos
     rows, starts = [], []
@@ -89,7 +97,7 @@ def cut_windows(tokens: list[int], *, window: int, stride: int, bos_id: int | No
         else:
             prev_end = (k - 1) * stride + n_text  # first text position not scored yet
             first = max(1, prev_end - s + bos)
-        starts.append(first)
+        starts.append(max(first, score_from))
         k += 1
         if max_windows is not None and k >= max_windows:
             break
@@ -102,7 +110,7 @@ def cut_windows(tokens: list[int], *, window: int, stride: int, bos_id: int | No
 
 
 def build_window_set(tokenizer_dir: Path, text: str, *, window: int = 512, stride: int = 512,
-                     max_windows: int | None = None, add_bos: bool | None = None) -> WindowSet:
+                     max_windows: int | None = None, add_bos: bool | None = None, score_from: int = 1) -> WindowSet:
     """Tokenize ``text`` with the source's HF tokenizer and cut it into windows.
 
     ``add_bos`` defaults to what the tokenizer does for a plain encode.
@@ -116,4 +124,4 @@ def build_window_set(tokenizer_dir: Path, text: str, *, window: int = 512, strid
         add_bos = tok.bos_token_id is not None and bool(probe) and probe[0] == tok.bos_token_id
     bos_id = tok.bos_token_id if add_bos else None
     return cut_windows(tokens, window=window, stride=stride, bos_id=bos_id, max_windows=max_windows,
-                       text_sha256=hashlib.sha256(text.encode()).hexdigest())
+                       text_sha256=hashlib.sha256(text.encode()).hexdigest(), score_from=score_from)

@@ -250,15 +250,17 @@ def ensure_window_set(settings: Settings, resolved: Resolved, spec: EvalSpec) ->
     Returns (path to the npz in the blob store, its metadata, whether it was built now).
     """
     text, origin = eval_text(spec, resolved)
-    key = hashlib.sha256(json.dumps({"text": hashlib.sha256(text.encode()).hexdigest(), "window": spec.window,
-                                     "stride": spec.stride, "max_windows": spec.max_windows},
-                                    sort_keys=True).encode()).hexdigest()
+    fields: dict[str, Any] = {"text": hashlib.sha256(text.encode()).hexdigest(), "window": spec.window,
+                               "stride": spec.stride, "max_windows": spec.max_windows}
+    if spec.score_from != 1:  # only when set, so registries made before the option keep their keys
+        fields["score_from"] = spec.score_from
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     reg = open_registry(settings)
     found = reg.find_source_artifact(resolved.source, "window_set", key)
     if found is not None:
         return reg.artifact_path(found), found.meta, False
     ws = build_window_set(resolved.checkpoint.path, text, window=spec.window, stride=spec.stride,
-                          max_windows=spec.max_windows)
+                          max_windows=spec.max_windows, score_from=spec.score_from)
     with scratch_dir(settings) as tmp:
         path = Path(tmp) / "windows.npz"
         ws.save(path)

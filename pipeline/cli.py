@@ -114,6 +114,8 @@ def convert(
     = None,
     window: Annotated[int, typer.Option(help="Evaluation window length in tokens.")] = 512,
     stride: Annotated[int, typer.Option(help="Evaluation window stride in tokens.")] = 512,
+    score_from: Annotated[int, typer.Option(help="First scored position of each window (1: all; window/2+1: the "
+                                            "second half, as llama-perplexity scores).")] = 1,
     max_windows: Annotated[int | None, typer.Option(help="Evaluate at most this many windows.")] = None,
     top_k: Annotated[int, typer.Option(help="Reference top-K log-probs stored per position.")] = 32,
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip evaluation.")] = False,
@@ -154,11 +156,13 @@ def convert(
         SourceInput,
         SpeedSpec,
         awq_options,
+        check_score_from,
         parse_gguf_base,
         parse_split_size,
         variants_from_flags,
     )
 
+    check_score_from(window, score_from)
     awq_opts = awq_options(awq_bits, awq_group_size, awq_symmetric, awq_calibration, awq_calibration_samples,
                            awq_calibration_seq_len) if awq else None
     plan = Plan(
@@ -169,7 +173,7 @@ def convert(
                                      awq_opts=awq_opts, exl2_backend=exl2_backend, exl2_head_bits=exl2_head_bits),
         eval=EvalSpec(enabled=not no_eval, text_file=str(eval_text) if eval_text else None, dataset=eval_dataset,
                       window=window,
-                      stride=stride, max_windows=max_windows, top_k=top_k,
+                      stride=stride, score_from=score_from, max_windows=max_windows, top_k=top_k,
                       speed=SpeedSpec(enabled=not no_speed)),
         force=force, gguf_base_type=parse_gguf_base(gguf_base), gguf_split_max_size=parse_split_size(split_max_size),
         calibration=CalibrationSpec(file=str(calibration) if calibration else None, chunks=imatrix_chunks),

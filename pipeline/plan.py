@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import ConfigError, InvalidSpecError
 from pipeline.specs import (
@@ -46,12 +46,27 @@ class EvalSpec(Frozen):
     dataset: str | None = None  # "name[:config]:split[:column]" via the optional datasets package
     window: int = Field(default=512, ge=16)
     stride: int = Field(default=512, ge=1)
+    score_from: int = Field(default=1, ge=1)  # first scored target index per window (see evaluators.windows)
     max_windows: int | None = Field(default=None, ge=1)
     top_k: int = Field(default=32, ge=1, le=1024)
     reference_dtype: str = "float32"
     reference_device: str = "cpu"
     speed: SpeedSpec = SpeedSpec()
     cross_check: bool = True  # also run the format's cross-check engine (AWQ: transformers), if it has one
+
+    @model_validator(mode="after")
+    def _scored_positions(self) -> EvalSpec:
+        check_score_from(self.window, self.score_from)
+        return self
+
+
+def check_score_from(window: int, score_from: int) -> None:
+    """``score_from`` must leave at least one scored target in a window of ``window`` tokens."""
+    if not 1 <= score_from < window:
+        raise InvalidSpecError(f"score_from must be in 1..{window - 1} for windows of {window} tokens, "
+                               f"got {score_from}",
+                               hint=f"--score-from {window // 2 + 1} scores the second half of each window, "
+                                    "as llama-perplexity does; 1 (the default) scores every position")
 
 
 class SourceInput(Frozen):

@@ -1,7 +1,7 @@
 """llama.cpp runner (llama-cpp-python): log-probs on the shared windows, then speed.
 
-Quality: each window is evaluated as one batch with ``logits_all``; the full logits of
-every position feed the shared Collector. Speed (when asked): prompt processing tok/s
+Quality: each window is evaluated as one batch; llama.cpp returns the logits of the scored
+positions only, and they feed the shared Collector. Speed (when asked): prompt processing tok/s
 and time to first token on a ``prompt_tokens`` prompt, decode tok/s over ``gen_tokens``
 greedy tokens, each repeated ``repeats`` times (median/min/max); throughput at several
 parallel sequences comes from ``llama-batched-bench`` of the same build.
@@ -29,32 +29,73 @@ from evaluators.runners._protocol import (
     write_result,
 )
 
+FLASH_ATTN = {"auto": -1, "on": 1, "off": 0}  # llama_flash_attn_type; llama.cpp's own tools default to auto
+
 
 def _quality(req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    from llama_cpp import Llama
+    """Score every window as one batch, asking llama.cpp for the logits of the scored rows only.
+
+    Row ``i`` of a window predicts its token ``i+1``, so a window scored from target ``s`` needs the
+    rows ``s-1 .. W-2``: the batch flags exactly those (as ``llama-perplexity`` flags the second half
+    of its chunks), so llama.cpp computes the output layer and copies logits for nothing else. Built on
+    llama-cpp-python's low-level bindings: its ``Llama.eval`` can only ask for all rows or the last.
+    """
+    import llama_cpp
+    from llama_cpp import _internals
+    from llama_cpp._utils import suppress_stdout_stderr
 
     ids, starts = load_windows(req["windows"])
-    window = ids.shape[1]
-    llm = Llama(model_path=req["model"], n_ctx=window, n_batch=window, n_ubatch=window, logits_all=True,
-                n_threads=req["threads"], n_threads_batch=req["threads"], n_gpu_layers=req.get("n_gpu_layers", 0),
-                verbose=False)
-    vocab = llm.n_vocab()
+    n_windows, window = ids.shape
+    flash_attn = str(req.get("flash_attn", "auto"))
+    if flash_attn not in FLASH_ATTN:
+        raise SystemExit(f"flash_attn must be one of {sorted(FLASH_ATTN)}, got {flash_attn!r}")
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.n_gpu_layers = int(req.get("n_gpu_layers", 0))
+    model = _internals.LlamaModel(path_model=req["model"], params=mparams, verbose=False)
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = window
+    cparams.n_seq_max = 1
+    cparams.n_threads = cparams.n_threads_batch = int(req["threads"])
+    cparams.flash_attn_type = FLASH_ATTN[flash_attn]
+    with suppress_stdout_stderr(disable=False):
+        ctx = _internals.LlamaContext(model=model, params=cparams, verbose=False)
+    vocab = model.n_vocab()
+    batch = _internals.LlamaBatch(n_tokens=window, embd=0, n_seq_max=1, verbose=False)
+    b = batch.batch
+    tokens = np.ctypeslib.as_array(b.token, shape=(window,))
+    flags = np.ctypeslib.as_array(b.logits, shape=(window,))
+    np.ctypeslib.as_array(b.pos, shape=(window,))[:] = np.arange(window)
+    np.ctypeslib.as_array(b.n_seq_id, shape=(window,))[:] = 1
+    for i in range(window):
+        b.seq_id[i][0] = 0
     col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")))
     # Score window k in a worker thread while llama.cpp decodes window k+1 (both release the GIL).
     with Timer() as t, ThreadPoolExecutor(max_workers=1) as pool:
         pending = None
-        for k in range(ids.shape[0]):
-            llm.reset()
-            llm.eval(ids[k].tolist())
-            logits = np.array(llm.scores[:window], dtype=np.float32)  # a copy: the next eval overwrites
+        for k in range(n_windows):
+            start = int(starts[k])
+            llama_cpp.llama_memory_clear(ctx.memory, True)
+            tokens[:] = ids[k]
+            flags[:] = 0
+            flags[start - 1: window - 1] = 1
+            b.n_tokens = window
+            rc = llama_cpp.llama_decode(ctx.ctx, b)
+            if rc != 0:
+                raise SystemExit(f"llama_decode returned {rc} on window {k}")
+            n_rows = window - start
+            rows = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx.ctx), shape=(n_rows, vocab)).copy()
             if pending is not None:
                 pending.result()
-            pending = pool.submit(col.add_window, logits, ids[k], int(starts[k]))
+            pending = pool.submit(col.add_rows, rows, ids[k, start:])
         if pending is not None:
             pending.result()
     n = col.save(out_dir)
-    del llm
-    return {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": vocab}
+    batch.close()
+    ctx.close()
+    model.close()
+    return {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": vocab,
+            "flash_attn": flash_attn}
 
 
 def _argmax_last(llm: Any) -> int:

@@ -118,3 +118,70 @@ def test_sigkill_of_runner_gives_engine_error(tmp_path: Path, demo_registry_temp
         stop.set()
         thread.join()
     assert info.value.returncode == -signal.SIGKILL and "SIGKILL" in str(info.value)
+
+
+def _run(tmp_path: Path, cache_dir: Path, gguf: Path, windows: Path, tag: str) -> dict[str, np.ndarray]:
+    cfg = Settings(cache_dir=cache_dir, threads=2)
+    cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.runners.llamacpp")
+    out = run_runner(cmd, {"model": str(gguf), "windows": str(windows), "ref_topk": None, "top_k": 32,
+                           "threads": 2}, tmp_path / tag, 600)
+    assert out.arrays is not None
+    return load_arrays(out.arrays)
+
+
+def test_scored_rows_only_equal_full_scoring(tmp_path: Path, demo_registry_template: dict, cache_dir: Path) -> None:
+    """The runner asks llama.cpp for the logits of scored rows only: a window set scored from the middle
+    gives, position for position, what the all-positions set gives for the same targets."""
+    _, windows = _reference_and_windows(demo_registry_template)
+    gguf = open_registry(str(demo_registry_template["registry"])).link_files("demo/Q4_K_M", tmp_path / "m")[0]
+    ws = WindowSet.load(windows)
+    n, w, half = 3, ws.window, ws.window // 2 + 1
+    sets = {}
+    for name, first in (("all", 1), ("half", half)):
+        sets[name] = tmp_path / f"{name}.npz"
+        WindowSet(ids=ws.ids[:n], score_start=np.full(n, first, dtype=np.int32), window=w, stride=ws.stride,
+                  add_bos=ws.add_bos, text_sha256=ws.text_sha256).save(sets[name])
+    full = _run(tmp_path, cache_dir, gguf, sets["all"], "all")
+    late = _run(tmp_path, cache_dir, gguf, sets["half"], "half")
+    pick = np.concatenate([k * (w - 1) + np.arange(half - 1, w - 1) for k in range(n)])
+    assert len(late["target_logprob"]) == n * (w - half) == len(pick)
+    for key in ("target_logprob", "topk_logprobs", "tail_logprob"):
+        np.testing.assert_allclose(late[key], full[key][pick], rtol=0, atol=1e-5, err_msg=key)
+    assert np.array_equal(late["top1"], full["top1"][pick])
+    assert (late["topk_ids"][:, 0] == full["topk_ids"][pick][:, 0]).all()
+
+
+def _llama_perplexity(model: Path, text: Path, ctx: int, chunks: int) -> float:
+    """The final PPL printed by llama-perplexity of the same build. llama.cpp's asynchronous logger can drop
+    the last lines when the process exits at once (see TOOLCHAINS.md): a run without them is run again."""
+    import re
+    import subprocess
+
+    from converters.gguf import llama_cpp_bin_dir, tool_env
+
+    cmd = [str(llama_cpp_bin_dir() / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx),
+           "-b", str(ctx), "--chunks", str(chunks), "-t", "2", "-tb", "2"]
+    for _ in range(3):
+        res = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), check=True, timeout=600)
+        found = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
+        if found:
+            return float(found.group(1))
+    raise AssertionError("llama-perplexity printed no final estimate in 3 runs:\n" + (res.stdout + res.stderr)[-2000:])
+
+
+def test_perplexity_agrees_with_llama_perplexity(tmp_path: Path, demo_registry_template: dict, demo_model: Path,
+                                                 cache_dir: Path) -> None:
+    """Scored like llama-perplexity (second half of each chunk, chunks cut from BOS + text), on the same GGUF:
+    the two tools compute the same perplexity (llama-perplexity prints 4 decimals)."""
+    from evaluators.metrics import perplexity
+    from evaluators.windows import build_window_set
+
+    gguf = open_registry(str(demo_registry_template["registry"])).link_files("demo/Q8_0", tmp_path / "m")[0]
+    ctx, chunks = 128, 8
+    text = demo_model / "eval.txt"
+    ws = build_window_set(demo_model, text.read_text(), window=ctx, stride=ctx, max_windows=chunks,
+                          score_from=ctx // 2 + 1)
+    ws.save(tmp_path / "w.npz")
+    ours = perplexity(_run(tmp_path, cache_dir, gguf, tmp_path / "w.npz", "ours")["target_logprob"]).ppl
+    theirs = _llama_perplexity(gguf, text, ctx, chunks)
+    assert abs(ours - theirs) <= 1e-4 + 1e-6 * theirs, (ours, theirs)
