@@ -32,100 +32,117 @@ from evaluators.runners._protocol import (
 FLASH_ATTN = {"auto": -1, "on": 1, "off": 0}  # llama_flash_attn_type; llama.cpp's own tools default to auto
 
 
+class _Engine:
+    """One model and context on llama-cpp-python's low-level bindings, one sequence, with a batch whose
+    per-token logits flags we set (``Llama.eval`` asks for all rows or only the last). Flash attention is
+    ``auto`` unless the request says otherwise, as in llama.cpp's own tools (llama-perplexity, llama-bench)."""
+
+    def __init__(self, req: dict[str, Any], n_ctx: int, n_batch: int) -> None:
+        import llama_cpp
+        from llama_cpp import _internals
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        self.flash_attn = str(req.get("flash_attn", "auto"))
+        if self.flash_attn not in FLASH_ATTN:
+            raise SystemExit(f"flash_attn must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
+        self.lib = llama_cpp
+        llama_cpp.llama_backend_init()
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = int(req.get("n_gpu_layers", 0))
+        self.model = _internals.LlamaModel(path_model=req["model"], params=mparams, verbose=False)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = int(req["threads"])
+        cparams.flash_attn_type = FLASH_ATTN[self.flash_attn]
+        with suppress_stdout_stderr(disable=False):
+            self.ctx = _internals.LlamaContext(model=self.model, params=cparams, verbose=False)
+        self.n_vocab = self.model.n_vocab()
+        self.batch = _internals.LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
+        b = self.batch.batch
+        self.tokens = np.ctypeslib.as_array(b.token, shape=(n_batch,))
+        self.pos = np.ctypeslib.as_array(b.pos, shape=(n_batch,))
+        self.flags = np.ctypeslib.as_array(b.logits, shape=(n_batch,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(n_batch,))[:] = 1
+        for i in range(n_batch):
+            b.seq_id[i][0] = 0
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.ctx.memory, True)
+
+    def decode(self, tokens: np.ndarray | list[int], pos0: int, first_row: int,
+               end_row: int | None = None) -> np.ndarray:
+        """Decode ``tokens`` at positions ``pos0...``; returns a view of the logits of rows
+        ``first_row..end_row`` (default: to the last), valid until the next decode."""
+        n = len(tokens)
+        end = n if end_row is None else end_row
+        self.tokens[:n] = tokens
+        self.pos[:n] = np.arange(pos0, pos0 + n)
+        self.flags[:n] = 0
+        self.flags[first_row:end] = 1
+        self.batch.batch.n_tokens = n
+        rc = self.lib.llama_decode(self.ctx.ctx, self.batch.batch)
+        if rc != 0:
+            raise SystemExit(f"llama_decode returned {rc} for {n} tokens at position {pos0}")
+        return np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx.ctx), shape=(end - first_row, self.n_vocab))
+
+    def close(self) -> None:
+        self.batch.close()
+        self.ctx.close()
+        self.model.close()
+
+
 def _quality(req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Score every window as one batch, asking llama.cpp for the logits of the scored rows only.
 
     Row ``i`` of a window predicts its token ``i+1``, so a window scored from target ``s`` needs the
-    rows ``s-1 .. W-2``: the batch flags exactly those (as ``llama-perplexity`` flags the second half
-    of its chunks), so llama.cpp computes the output layer and copies logits for nothing else. Built on
-    llama-cpp-python's low-level bindings: its ``Llama.eval`` can only ask for all rows or the last.
+    rows ``s-1 .. W-2`` (the last row predicts nothing): the batch flags exactly those, as
+    ``llama-perplexity`` flags the second half of its chunks, so llama.cpp computes the output layer and
+    copies logits for nothing else.
     """
-    import llama_cpp
-    from llama_cpp import _internals
-    from llama_cpp._utils import suppress_stdout_stderr
-
     ids, starts = load_windows(req["windows"])
     n_windows, window = ids.shape
-    flash_attn = str(req.get("flash_attn", "auto"))
-    if flash_attn not in FLASH_ATTN:
-        raise SystemExit(f"flash_attn must be one of {sorted(FLASH_ATTN)}, got {flash_attn!r}")
-    llama_cpp.llama_backend_init()
-    mparams = llama_cpp.llama_model_default_params()
-    mparams.n_gpu_layers = int(req.get("n_gpu_layers", 0))
-    model = _internals.LlamaModel(path_model=req["model"], params=mparams, verbose=False)
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = window
-    cparams.n_seq_max = 1
-    cparams.n_threads = cparams.n_threads_batch = int(req["threads"])
-    cparams.flash_attn_type = FLASH_ATTN[flash_attn]
-    with suppress_stdout_stderr(disable=False):
-        ctx = _internals.LlamaContext(model=model, params=cparams, verbose=False)
-    vocab = model.n_vocab()
-    batch = _internals.LlamaBatch(n_tokens=window, embd=0, n_seq_max=1, verbose=False)
-    b = batch.batch
-    tokens = np.ctypeslib.as_array(b.token, shape=(window,))
-    flags = np.ctypeslib.as_array(b.logits, shape=(window,))
-    np.ctypeslib.as_array(b.pos, shape=(window,))[:] = np.arange(window)
-    np.ctypeslib.as_array(b.n_seq_id, shape=(window,))[:] = 1
-    for i in range(window):
-        b.seq_id[i][0] = 0
+    eng = _Engine(req, n_ctx=window, n_batch=window)
     col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")))
     # Score window k in a worker thread while llama.cpp decodes window k+1 (both release the GIL).
     with Timer() as t, ThreadPoolExecutor(max_workers=1) as pool:
         pending = None
         for k in range(n_windows):
             start = int(starts[k])
-            llama_cpp.llama_memory_clear(ctx.memory, True)
-            tokens[:] = ids[k]
-            flags[:] = 0
-            flags[start - 1: window - 1] = 1
-            b.n_tokens = window
-            rc = llama_cpp.llama_decode(ctx.ctx, b)
-            if rc != 0:
-                raise SystemExit(f"llama_decode returned {rc} on window {k}")
-            n_rows = window - start
-            rows = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx.ctx), shape=(n_rows, vocab)).copy()
+            eng.clear()
+            rows = eng.decode(ids[k], 0, start - 1, window - 1).copy()  # a copy: the next decode overwrites
             if pending is not None:
                 pending.result()
             pending = pool.submit(col.add_rows, rows, ids[k, start:])
         if pending is not None:
             pending.result()
     n = col.save(out_dir)
-    batch.close()
-    ctx.close()
-    model.close()
-    return {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": vocab,
-            "flash_attn": flash_attn}
-
-
-def _argmax_last(llm: Any) -> int:
-    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
-    return int(np.argmax(logits))
+    eng.close()
+    return {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": eng.n_vocab,
+            "flash_attn": eng.flash_attn}
 
 
 def _single_stream(req: dict[str, Any], prompt: list[int], gen: int, repeats: int) -> dict[str, Any]:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=req["model"], n_ctx=len(prompt) + gen + 8, n_batch=len(prompt), n_ubatch=len(prompt),
-                logits_all=False, n_threads=req["threads"], n_threads_batch=req["threads"],
-                n_gpu_layers=req.get("n_gpu_layers", 0), verbose=False)
-    llm.reset()
-    llm.eval(prompt[:16])  # warm-up: page in weights, build graphs
+    """Prompt processing and time to first token (the prompt as one batch, logits of its last row only),
+    then greedy decoding of ``gen`` tokens one by one."""
+    eng = _Engine(req, n_ctx=len(prompt) + gen + 8, n_batch=len(prompt))
+    eng.decode(prompt[:16], 0, 15)  # warm-up: page in weights, build graphs
     pp, ttft, tg = [], [], []
     for _ in range(repeats):
-        llm.reset()
+        eng.clear()
         t0 = time.perf_counter()
-        llm.eval(prompt)
-        tok = _argmax_last(llm)
+        tok = int(np.argmax(eng.decode(prompt, 0, len(prompt) - 1)[0]))
         t1 = time.perf_counter()
-        for _ in range(gen):
-            llm.eval([tok])
-            tok = _argmax_last(llm)
+        for i in range(gen):
+            tok = int(np.argmax(eng.decode([tok], len(prompt) + i, 0)[0]))
         t2 = time.perf_counter()
         pp.append(len(prompt) / (t1 - t0))
         ttft.append((t1 - t0) * 1000.0)
         tg.append(gen / (t2 - t1))
-    return {"prompt_tok_per_s": stats(pp), "ttft_ms": stats(ttft), "decode_tok_per_s": stats(tg)}
+    eng.close()
+    return {"prompt_tok_per_s": stats(pp), "ttft_ms": stats(ttft), "decode_tok_per_s": stats(tg),
+            "flash_attn": eng.flash_attn}
 
 
 def _parallel(req: dict[str, Any], speed: dict[str, Any]) -> dict[str, Any]:
