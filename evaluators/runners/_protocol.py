@@ -12,7 +12,9 @@ Per scored position (window-major order, see WindowSet) ``logprobs.npz`` holds:
 * ``target_logprob`` float64 [N]: log p(actual next token);
 * ``top1`` int32 [N]: the engine's most likely token;
 * ``topk_ids`` int32 [N,K], ``topk_logprobs`` float32 [N,K], ``tail_logprob`` float64 [N]: the engine's
-  own top-K and the log of the probability mass outside it (what a reference stores);
+  own top-K and the log of the probability mass outside it (what a reference stores) — written when no
+  ``ref_topk`` is given; a variant scored against a reference does not need them (they cost a top-K
+  selection over the vocabulary per position), unless the request sets ``own_topk``;
 * with ``ref_topk``: ``at_ref_logprobs`` float32 [N,K] and ``at_ref_tail`` float64 [N]: the engine's
   log-probs at the *reference's* top-K ids and the log of its mass outside those ids, which is what
   KL-divergence against the reference needs.
@@ -66,7 +68,8 @@ REST_FLOOR = 1e-12
 def _log_rest(lp: np.ndarray) -> np.ndarray:
     """log(1 − Σ exp(lp)) per row, in float64: the log of the mass outside the given tokens.
 
-    Computing it from the K log-probs (not by summing the rest of the vocabulary) is O(K). float64
+    Computing it from the K log-probs (not by summing the rest of the vocabulary) is O(K). The log-probs
+    come from float32 logits minus a float64 log-sum-exp (or are float64 already), so float64
     cancellation leaves ~1e-15 of noise, so a rest below REST_FLOOR (1e-12) is stored as the floor:
     with full logits both sides then hold the floor and the tail term of the KLD is exactly 0; in
     general the floor changes a KLD by less than 1e-12 · |Δ log| nats.
@@ -78,9 +81,10 @@ def _log_rest(lp: np.ndarray) -> np.ndarray:
 class Collector:
     """Accumulates per-position outputs from full logits, window by window."""
 
-    def __init__(self, top_k: int, ref_ids: np.ndarray | None) -> None:
+    def __init__(self, top_k: int, ref_ids: np.ndarray | None, own_topk: bool | None = None) -> None:
         self.top_k = top_k
         self.ref_ids = ref_ids
+        self.own_topk = ref_ids is None if own_topk is None else own_topk
         self.cursor = 0
         self.parts: dict[str, list[np.ndarray]] = {k: [] for k in (
             "target_logprob", "top1", "topk_ids", "topk_logprobs", "tail_logprob", "at_ref_logprobs",
@@ -102,29 +106,32 @@ class Collector:
         self._add_block(lp, targets, normalised=True)
 
     def _add_block(self, rows: np.ndarray, targets: np.ndarray, normalised: bool = False) -> None:
-        x = np.ascontiguousarray(rows, dtype=np.float32)
         n = len(targets)
         if normalised:
+            # Log-probs keep their precision: rounding normalised float64 log-probs to float32 would break
+            # Σ p = 1 by ~1e-7, which a small mass outside the top-K (1 − Σ p_topk) cannot absorb.
+            x = np.ascontiguousarray(rows, dtype=np.float64 if rows.dtype == np.float64 else np.float32)
             lse = np.zeros(n)
         else:
+            x = np.ascontiguousarray(rows, dtype=np.float32)  # engines' logits are float32: that is the truth
             # exp in float32, accumulated in float64: measured on the demo's logits, the KLD agrees with
             # an all-float64 computation to 2e-16 relative, at half the cost.
             m = x.max(axis=1)
             e = np.subtract(x, m[:, None])
             np.exp(e, out=e)
             lse = m.astype(np.float64) + np.log(e.sum(axis=1, dtype=np.float64))
-        k = min(self.top_k, x.shape[1])
-        part = np.argpartition(x, x.shape[1] - k, axis=1)[:, -k:]
-        part_lp = np.take_along_axis(x, part, axis=1).astype(np.float64) - lse[:, None]
-        order = np.argsort(-part_lp, axis=1, kind="stable")
-        topk = np.take_along_axis(part, order, axis=1)
-        topk_lp = np.take_along_axis(part_lp, order, axis=1)
         p = self.parts
         p["target_logprob"].append(x[np.arange(n), targets].astype(np.float64) - lse)
         p["top1"].append(np.argmax(x, axis=1).astype(np.int32))
-        p["topk_ids"].append(topk.astype(np.int32))
-        p["topk_logprobs"].append(topk_lp.astype(np.float32))
-        p["tail_logprob"].append(_log_rest(topk_lp))
+        if self.own_topk:
+            k = min(self.top_k, x.shape[1])
+            part = np.argpartition(x, x.shape[1] - k, axis=1)[:, -k:]
+            part_lp = np.take_along_axis(x, part, axis=1).astype(np.float64) - lse[:, None]
+            order = np.argsort(-part_lp, axis=1, kind="stable")
+            topk_lp = np.take_along_axis(part_lp, order, axis=1)
+            p["topk_ids"].append(np.take_along_axis(part, order, axis=1).astype(np.int32))
+            p["topk_logprobs"].append(topk_lp.astype(np.float32))
+            p["tail_logprob"].append(_log_rest(topk_lp))
         if self.ref_ids is not None:
             ref = self.ref_ids[self.cursor:self.cursor + n]
             if len(ref) != n:

@@ -44,7 +44,7 @@ def main() -> None:
     torch.set_num_threads(int(req["threads"]))
     model = load_model(req)
     ids, starts = load_windows(req["windows"])
-    col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")))
+    col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")), req.get("own_topk"))
     bs = int(req.get("batch_size", 4))
     device = req.get("device", "cpu")
     with Timer() as t, torch.inference_mode():

@@ -104,7 +104,7 @@ def _quality(req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     ids, starts = load_windows(req["windows"])
     n_windows, window = ids.shape
     eng = _Engine(req, n_ctx=window, n_batch=window)
-    col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")))
+    col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")), req.get("own_topk"))
     # Score window k in a worker thread while llama.cpp decodes window k+1 (both release the GIL).
     with Timer() as t, ThreadPoolExecutor(max_workers=1) as pool:
         pending = None

@@ -178,7 +178,7 @@ class QualityRun:
     """Feeds one window's vLLM output into the Collector (positions score_start .. window-1)."""
 
     def __init__(self, req: dict[str, Any], vocab: int, ref: np.ndarray | None) -> None:
-        self.col = Collector(int(req["top_k"]), ref)
+        self.col = Collector(int(req["top_k"]), ref, req.get("own_topk"))
         self.vocab = vocab
         self.ref = ref
         self.ref_cursor = 0

@@ -79,3 +79,20 @@ def test_compare_rejects_different_window_sets() -> None:
     q = {k: v[:4] for k, v in q.items()}
     with pytest.raises(ValueError, match="not the same window set"):
         compare(ref, q)
+
+
+def test_variant_against_a_reference_skips_its_own_topk_unless_asked() -> None:
+    """Scored against a reference, a runner needs only the log-probs at the reference's ids: its own top-K
+    is left out (a selection over the vocabulary per position), and the metrics do not change."""
+    rng = np.random.default_rng(2)
+    pl, ql = rng.normal(size=(40, 200)) * 3, rng.normal(size=(40, 200)) * 3
+    targets = rng.integers(0, 200, 40)
+    ref, lean = _runner_arrays(pl, ql, targets, 8)
+    assert "topk_ids" in ref and "topk_ids" not in lean and "tail_logprob" not in lean
+    full = Collector(8, ref["topk_ids"].astype(np.int64), own_topk=True)
+    full.add_window(ql, np.concatenate([[0], targets]), 1)
+    full_arr = {key: np.concatenate(v) for key, v in full.parts.items() if v}
+    assert full_arr["topk_ids"].shape == (40, 8)
+    assert full_arr["topk_ids"][:, 0].tolist() == np.argmax(ql, axis=1).tolist()
+    np.testing.assert_allclose(full_arr["at_ref_logprobs"], lean["at_ref_logprobs"], rtol=0, atol=1e-5)
+    assert compare(ref, full_arr)["kld_mean"] == pytest.approx(compare(ref, lean)["kld_mean"], rel=1e-5)
