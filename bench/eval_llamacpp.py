@@ -14,10 +14,10 @@ scoring (log-softmax, top-K, tail mass, gathering at the reference ids); llama-p
 from its own log timestamps between "calculating perplexity" and "Final estimate" (its decode plus its
 scoring); end-to-end — tokens / wall seconds of the whole process (load, tokenization, everything).
 
-Each side runs REPEATS times, interleaved, each of our runs right before one of theirs; the headline is the
+Each side runs REPEATS times, interleaved in pairs (which tool goes first alternates); the headline is the
 median of these paired ratios (2-thread timings on a busy 2-core machine swing by ±15 % from run to run,
 see TOOLCHAINS.md; pairing cancels the slow drifts), with the ratio of the medians beside it.
-Usage: python bench/eval_llamacpp.py [--type Q4_K_M] [--windows 32] [--repeats 5]
+Usage: python bench/eval_llamacpp.py [--type Q4_K_M] [--windows 32] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--type", default="Q4_K_M")
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     cfg = Settings(threads=args.threads)
@@ -161,8 +161,11 @@ def main() -> None:
         rows: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
         for i in range(args.repeats):  # interleave the tools so that machine load hits both alike
             for mode in modes:
+                if i % 2:  # alternate which tool runs first, so an order effect does not favour either
+                    t_tps, t_wall, t_n, t_ppl, retries = theirs(cfg, model, work / "eval.txt", args.window, n_windows)
                 o_tps, o_wall, o_ppl = ours(cfg, model, work / f"{mode}.npz", refs[mode], work, f"{mode}-{i}")
-                t_tps, t_wall, t_n, t_ppl, retries = theirs(cfg, model, work / "eval.txt", args.window, n_windows)
+                if not i % 2:
+                    t_tps, t_wall, t_n, t_ppl, retries = theirs(cfg, model, work / "eval.txt", args.window, n_windows)
                 if t_n != n_tokens:
                     raise SystemExit(f"llama-perplexity processed {t_n} tokens, we processed {n_tokens}")
                 rows[mode].append({"ours_eval_tps": o_tps, "ours_wall_s": o_wall, "ours_ppl": o_ppl,

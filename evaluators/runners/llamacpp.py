@@ -105,6 +105,7 @@ def _quality(req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     n_windows, window = ids.shape
     eng = _Engine(req, n_ctx=window, n_batch=window)
     col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")), req.get("own_topk"))
+    eng.decode(ids[0, :2], 0, 1)  # warm-up (threads, weights paged in), as llama.cpp's tools do before timing
     # Score window k in a worker thread while llama.cpp decodes window k+1 (both release the GIL).
     with Timer() as t, ThreadPoolExecutor(max_workers=1) as pool:
         pending = None
