@@ -28,6 +28,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -94,18 +95,35 @@ class Collector:
         """``logits`` [W, V] for window ids [W]; row i-1 predicts ids[i] for i >= start."""
         self.add_rows(logits[start - 1: len(ids) - 1], ids[start:])
 
-    def add_rows(self, rows: np.ndarray, targets: np.ndarray) -> None:
-        """``rows`` [N, V] of logits, row j predicting ``targets[j]`` (only the scored rows)."""
+    def add_rows(self, rows: np.ndarray, targets: np.ndarray, pool: Executor | None = None) -> None:
+        """``rows`` [N, V] of logits, row j predicting ``targets[j]`` (only the scored rows). With ``pool``,
+        blocks of rows are scored in parallel (numpy releases the GIL); results keep their order."""
         if len(rows) != len(targets):
             raise SystemExit(f"{len(rows)} logit rows for {len(targets)} targets")
-        for b in range(0, len(targets), BLOCK):
-            self._add_block(rows[b:b + BLOCK], targets[b:b + BLOCK])
+        self._add(rows, targets, False, pool)
 
     def add_logprobs(self, lp: np.ndarray, targets: np.ndarray) -> None:
         """Add rows that are already log-probabilities (e.g. from an engine that returns them)."""
-        self._add_block(lp, targets, normalised=True)
+        self._add(lp, targets, True, None)
 
-    def _add_block(self, rows: np.ndarray, targets: np.ndarray, normalised: bool = False) -> None:
+    def _add(self, rows: np.ndarray, targets: np.ndarray, normalised: bool, pool: Executor | None) -> None:
+        n = len(targets)
+        ref = None
+        if self.ref_ids is not None:
+            ref = self.ref_ids[self.cursor:self.cursor + n]
+            if len(ref) != n:
+                raise SystemExit(f"reference has {len(self.ref_ids)} positions, fewer than the window set")
+        jobs = [(rows[b:b + BLOCK], targets[b:b + BLOCK], None if ref is None else ref[b:b + BLOCK], normalised)
+                for b in range(0, n, BLOCK)]
+        outs = pool.map(lambda job: self._block(*job), jobs) if pool is not None and len(jobs) > 1 else \
+            [self._block(*job) for job in jobs]
+        for out in outs:
+            for key, value in out.items():
+                self.parts[key].append(value)
+        self.cursor += n
+
+    def _block(self, rows: np.ndarray, targets: np.ndarray, ref: np.ndarray | None,
+               normalised: bool) -> dict[str, np.ndarray]:
         n = len(targets)
         if normalised:
             # Log-probs keep their precision: rounding normalised float64 log-probs to float32 would break
@@ -120,26 +138,22 @@ class Collector:
             e = np.subtract(x, m[:, None])
             np.exp(e, out=e)
             lse = m.astype(np.float64) + np.log(e.sum(axis=1, dtype=np.float64))
-        p = self.parts
-        p["target_logprob"].append(x[np.arange(n), targets].astype(np.float64) - lse)
-        p["top1"].append(np.argmax(x, axis=1).astype(np.int32))
+        out = {"target_logprob": x[np.arange(n), targets].astype(np.float64) - lse,
+               "top1": np.argmax(x, axis=1).astype(np.int32)}
         if self.own_topk:
             k = min(self.top_k, x.shape[1])
             part = np.argpartition(x, x.shape[1] - k, axis=1)[:, -k:]
             part_lp = np.take_along_axis(x, part, axis=1).astype(np.float64) - lse[:, None]
             order = np.argsort(-part_lp, axis=1, kind="stable")
             topk_lp = np.take_along_axis(part_lp, order, axis=1)
-            p["topk_ids"].append(np.take_along_axis(part, order, axis=1).astype(np.int32))
-            p["topk_logprobs"].append(topk_lp.astype(np.float32))
-            p["tail_logprob"].append(_log_rest(topk_lp))
-        if self.ref_ids is not None:
-            ref = self.ref_ids[self.cursor:self.cursor + n]
-            if len(ref) != n:
-                raise SystemExit(f"reference has {len(self.ref_ids)} positions, fewer than the window set")
+            out["topk_ids"] = np.take_along_axis(part, order, axis=1).astype(np.int32)
+            out["topk_logprobs"] = topk_lp.astype(np.float32)
+            out["tail_logprob"] = _log_rest(topk_lp)
+        if ref is not None:
             at_ref = np.take_along_axis(x, ref, axis=1).astype(np.float64) - lse[:, None]
-            p["at_ref_logprobs"].append(at_ref.astype(np.float32))
-            p["at_ref_tail"].append(_log_rest(at_ref))
-        self.cursor += n
+            out["at_ref_logprobs"] = at_ref.astype(np.float32)
+            out["at_ref_tail"] = _log_rest(at_ref)
+        return out
 
     def save(self, out_dir: Path) -> int:
         arrays = {k: np.concatenate(v) for k, v in self.parts.items() if v}

@@ -106,18 +106,14 @@ def _quality(req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     eng = _Engine(req, n_ctx=window, n_batch=window)
     col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")), req.get("own_topk"))
     eng.decode(ids[0, :2], 0, 1)  # warm-up (threads, weights paged in), as llama.cpp's tools do before timing
-    # Score window k in a worker thread while llama.cpp decodes window k+1 (both release the GIL).
-    with Timer() as t, ThreadPoolExecutor(max_workers=1) as pool:
-        pending = None
+    # Decode a window on all threads, then score its rows on all threads (blocks of rows in parallel, numpy
+    # releases the GIL), straight from llama.cpp's buffer. Overlapping the two instead oversubscribes the
+    # cores: measured on 2 cores, 0.963 of llama-perplexity's throughput overlapped vs 0.981 in turn.
+    with Timer() as t, ThreadPoolExecutor(max_workers=max(1, int(req["threads"]))) as pool:
         for k in range(n_windows):
             start = int(starts[k])
             eng.clear()
-            rows = eng.decode(ids[k], 0, start - 1, window - 1).copy()  # a copy: the next decode overwrites
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(col.add_rows, rows, ids[k, start:])
-        if pending is not None:
-            pending.result()
+            col.add_rows(eng.decode(ids[k], 0, start - 1, window - 1), ids[k, start:], pool)
     n = col.save(out_dir)
     eng.close()
     return {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": eng.n_vocab,
