@@ -12,13 +12,13 @@ Imports only the standard library, numpy and the tool's own stack.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from converters.workers._protocol import read_request, write_result
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -52,13 +52,8 @@ def quantize(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m converters.workers.awq_autoawq REQUEST.json")
-    req = json.loads(Path(sys.argv[1]).read_text())
-    result = quantize(req)
-    tmp = Path(req["result"] + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, req["result"])
+    req = read_request("converters.workers.awq_autoawq")
+    write_result(req["result"], quantize(req))
     return 0
 
 

@@ -18,11 +18,12 @@ Imports only the standard library, numpy and the tool's own stack.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from converters.workers._protocol import read_request, write_result
 
 #: The error llm-compressor 0.14 raises on a machine without an accelerator (TOOLCHAINS.md).
 PIN_ERROR = "Cannot access accelerator device when none is available"
@@ -127,13 +128,8 @@ def main() -> int:
     if sys.argv[1:] == ["--patch-check"]:
         print(json.dumps(patch_check()))
         return 0
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m converters.workers.awq_llmcompressor REQUEST.json | --patch-check")
-    req = json.loads(Path(sys.argv[1]).read_text())
-    result = quantize(req)
-    tmp = Path(req["result"] + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, req["result"])
+    req = read_request("converters.workers.awq_llmcompressor", " | --patch-check")
+    write_result(req["result"], quantize(req))
     return 0
 
 
