@@ -15,6 +15,7 @@ covers the recipe and the exact training text, so tests and the demo reuse it.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -85,10 +86,12 @@ def _train_tokenizer(text: str, recipe: DemoRecipe, out_dir: Path) -> Path:
     import sentencepiece as spm
 
     lines = [ln for ln in text.splitlines() if ln.strip()]
-    prefix = out_dir / "spm"
+    # Written through model_writer, not model_prefix: the proto records model_prefix, and a temporary
+    # folder's name in it would change tokenizer.model, hence the checkpoint's content hash, on every build.
+    model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines),
-        model_prefix=str(prefix),
+        model_writer=model,
         vocab_size=recipe.vocab_size,
         model_type="bpe",
         byte_fallback=True,
@@ -104,7 +107,9 @@ def _train_tokenizer(text: str, recipe: DemoRecipe, out_dir: Path) -> Path:
         max_sentence_length=8192,
         minloglevel=2,
     )
-    return prefix.with_suffix(".model")
+    path = out_dir / "spm.model"
+    path.write_bytes(model.getvalue())
+    return path
 
 
 def _hf_tokenizer(spm_model: Path, out_dir: Path):  # noqa: ANN202 - transformers type
@@ -198,12 +203,14 @@ def build_demo_model(dest: Path, recipe: DemoRecipe | None = None,
         "recipe": recipe.model_dump(),
         "key": recipe_key(recipe, texts),
         "train_tokens": len(ids),
-        "train_seconds": round(time.perf_counter() - started, 1),
         "eval_text": EVAL_TEXT,
         "calibration_text": CALIB_TEXT,
     }
+    # Everything written is a function of the recipe and the corpus (training is deterministic), so a
+    # rebuild on any machine has the same content hash, i.e. the same source identity and registry keys;
+    # the wall time is returned, not written.
     (dest / RECIPE_FILE).write_text(json.dumps(record, indent=2))
-    return record
+    return {**record, "train_seconds": round(time.perf_counter() - started, 1)}
 
 
 def cached_demo_model(cache_dir: Path, recipe: DemoRecipe | None = None,
