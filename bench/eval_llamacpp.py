@@ -56,9 +56,9 @@ def build_model(cfg: Settings, gguf_type: str, work: Path) -> tuple[Path, Path]:
 
 
 def ours(cfg: Settings, model: Path, windows: Path, ref: Path | None, work: Path,
-         tag: str) -> tuple[float, float, float]:
-    """(eval tok/s, wall s, perplexity) of our runner; with ``ref`` it also gathers at the reference's top-K,
-    as a variant evaluation does."""
+         tag: str) -> tuple[float, float, float, Path]:
+    """(eval tok/s, wall s, perplexity, log-probs file) of our runner; with ``ref`` it also gathers at the
+    reference's top-K, as a variant evaluation does."""
     cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.runners.llamacpp")
     t0 = time.perf_counter()
     out = run_runner(cmd, {"model": str(model), "windows": str(windows), "ref_topk": str(ref) if ref else None,
@@ -66,7 +66,7 @@ def ours(cfg: Settings, model: Path, windows: Path, ref: Path | None, work: Path
     wall = time.perf_counter() - t0
     assert out.arrays is not None
     ppl = perplexity(load_arrays(out.arrays)["target_logprob"]).ppl
-    return float(out.result["quality"]["eval_tok_per_s"]), wall, ppl
+    return float(out.result["quality"]["eval_tok_per_s"]), wall, ppl, out.arrays
 
 
 def theirs(cfg: Settings, model: Path, text: Path, window: int,
@@ -152,10 +152,7 @@ def main() -> None:
             sets[mode] = ws
             # A reference top-K file for the window set (here: the model's own first run), so our runner also
             # gathers at reference ids, as a variant evaluation does.
-            refs[mode] = Path(run_runner(
-                RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.runners.llamacpp"),
-                {"model": str(model), "windows": str(work / f"{mode}.npz"), "ref_topk": None, "top_k": 32,
-                 "threads": cfg.threads}, work / f"ref-{mode}", 3600).arrays or "")
+            refs[mode] = ours(cfg, model, work / f"{mode}.npz", None, work, f"ref-{mode}")[3]
         n_windows = sets["matched"].n_windows
         n_tokens = n_windows * args.window
         rows: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
@@ -163,7 +160,7 @@ def main() -> None:
             for mode in modes:
                 if i % 2:  # alternate which tool runs first, so an order effect does not favour either
                     t_tps, t_wall, t_n, t_ppl, retries = theirs(cfg, model, work / "eval.txt", args.window, n_windows)
-                o_tps, o_wall, o_ppl = ours(cfg, model, work / f"{mode}.npz", refs[mode], work, f"{mode}-{i}")
+                o_tps, o_wall, o_ppl, _ = ours(cfg, model, work / f"{mode}.npz", refs[mode], work, f"{mode}-{i}")
                 if not i % 2:
                     t_tps, t_wall, t_n, t_ppl, retries = theirs(cfg, model, work / "eval.txt", args.window, n_windows)
                 if t_n != n_tokens:
