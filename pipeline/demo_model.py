@@ -206,9 +206,9 @@ def build_demo_model(dest: Path, recipe: DemoRecipe | None = None,
         "eval_text": EVAL_TEXT,
         "calibration_text": CALIB_TEXT,
     }
-    # Everything written is a function of the recipe and the corpus (training is deterministic), so a
-    # rebuild on any machine has the same content hash, i.e. the same source identity and registry keys;
-    # the wall time is returned, not written.
+    # Everything written is a function of the recipe and the corpus (training is deterministic on one CPU
+    # type), so a rebuild has the same content hash, i.e. the same source identity and registry keys; the
+    # wall time is returned, not written.
     (dest / RECIPE_FILE).write_text(json.dumps(record, indent=2))
     return {**record, "train_seconds": round(time.perf_counter() - started, 1)}
 
