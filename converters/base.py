@@ -44,6 +44,9 @@ class BuildContext:
     #: Source artifacts the flow found in the registry for this source, by "kind:key" (e.g. an EXL2
     #: measurement), so a converter can reuse them instead of recomputing.
     artifacts: dict[str, Path] = field(default_factory=dict)
+    #: The texts this run evaluates and calibrates on, by origin label (``checkpoint:eval.txt`` …), for
+    #: checks that must hold on them, such as GGUF tokenizer parity.
+    texts: dict[str, str] = field(default_factory=dict)
 
     @property
     def file_stem(self) -> str:

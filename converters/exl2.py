@@ -32,7 +32,7 @@ from converters.checkpoint import Checkpoint, read_safetensors_header
 from pipeline import exl2_env
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, ConversionError, DiskFullError, UnsupportedArchitectureError
-from pipeline.proc import ProcResult, child_env, run_logged
+from pipeline.proc import ProcResult, child_env, failure_log_dir, run_logged
 from pipeline.specs import EXL2Backend, EXL2Spec, QuantFormat
 
 REFERENCE_WORKER = "converters.workers.exl2_reference"
@@ -75,6 +75,10 @@ class EXL2Converter:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+
+    @property
+    def _keep(self) -> Path:
+        return failure_log_dir(self.settings.logs_root)
 
     # -- backends and identity -------------------------------------------------------------------
 
@@ -196,7 +200,7 @@ class EXL2Converter:
                "threads": self.settings.threads, "result": str(result)}
         res = run_logged([self.settings.core_python, "-m", REFERENCE_WORKER], log_dir=folder,
                          name=f"reference-{name}", timeout_s=self.settings.convert_timeout_s, env=child_env(),
-                         stdin_text=json.dumps(req))
+                         stdin_text=json.dumps(req), keep=self._keep)
         if not res.ok or not result.is_file():
             raise _failed(res, f"reference-cpu EXL2 {name}", folder)
         for job in jobs:
@@ -213,7 +217,7 @@ class EXL2Converter:
         if not (folder / "calibration.parquet").is_file():
             req = {"text_file": str(folder / "calibration.txt"), "out": str(folder / "calibration.parquet")}
             res = run_logged([rt.python, "-m", PARQUET_WORKER], log_dir=folder, name="parquet",
-                             timeout_s=600, env=child_env(), stdin_text=json.dumps(req))
+                             timeout_s=600, env=child_env(), stdin_text=json.dumps(req), keep=self._keep)
             if not res.ok:
                 raise _failed(res, "writing the calibration parquet", folder)
         if not measurement.is_file():
@@ -284,7 +288,7 @@ class EXL2Converter:
         # convert_exl2 resumes from job_new.json when its -o folder holds one; it also exits 0 on some
         # errors, so success is judged by the file it must have written.
         res = run_logged(cmd, log_dir=log_dir, name=name, timeout_s=self.settings.convert_timeout_s,
-                         env=child_env({"PYTHONUNBUFFERED": "1"}))
+                         env=child_env({"PYTHONUNBUFFERED": "1"}), keep=self._keep)
         if not res.ok or not expect.exists():
             raise _failed(res, f"exllamav2 convert_exl2 ({name})", log_dir)
 
@@ -313,7 +317,7 @@ def _failed(res: ProcResult, what: str, folder: Path) -> Exception:
     if res.disk_full:
         return DiskFullError(folder)
     return ConversionError(f"{what} {res.describe()}", stderr_tail=res.stderr_tail or res.stdout_tail,
-                           hint=f"logs in {folder}; re-running resumes from the work folder")
+                           hint=f"full log: {res.log}; re-running resumes from the work folder {folder}")
 
 
 def inspect_exl2(folder: Path, ckpt: Checkpoint) -> dict[str, Any]:

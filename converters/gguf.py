@@ -43,7 +43,7 @@ from pipeline.errors import (
     ToolchainMissingError,
     UnsupportedArchitectureError,
 )
-from pipeline.proc import child_env, run_logged, with_path_prefix
+from pipeline.proc import child_env, failure_log_dir, run_logged, with_path_prefix
 from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, QuantFormat
 
 WORKER = "converters.workers.llama_quantize"
@@ -174,7 +174,7 @@ class GGUFConverter:
         path, meta, computed = ensure_imatrix(base, base.parent, self.options.imatrix, key,
                                               bin_dir=llama_cpp_bin_dir(), env=tool_env(),
                                               threads=ctx.settings.threads, timeout_s=ctx.settings.convert_timeout_s,
-                                              python=self.python)
+                                              python=self.python, keep=failure_log_dir(ctx.settings.logs_root))
         prepared.paths["imatrix"] = str(path)
         prepared.paths["calibration"] = str(self.options.imatrix.calibration)
         prepared.meta["imatrix"] = meta
@@ -191,10 +191,10 @@ class GGUFConverter:
                "--outfile", str(tmp), "--outtype", base_type.lower(), "--model-name", ctx.file_stem]
         env = child_env(pythonpath=[self.tools_dir / "gguf-py", self.tools_dir])
         res = run_logged(cmd, log_dir=dest.parent, name="convert", timeout_s=ctx.settings.convert_timeout_s,
-                         env=env)
+                         env=env, keep=failure_log_dir(ctx.settings.logs_root))
         if not res.ok:
             tmp.unlink(missing_ok=True)
-            raise _conversion_error(res.stderr_tail, res.describe(), dest.parent, ctx.checkpoint)
+            raise _conversion_error(res.stderr_tail, res.describe(), res.log, ctx.checkpoint)
         os.replace(tmp, dest)
 
     # -- variants --------------------------------------------------------------------------------
@@ -218,11 +218,12 @@ class GGUFConverter:
             events.append("quantize")
         _check_output(out, inspect_gguf(out), spec, base_info)
         parity = check_parity(out, ctx.checkpoint.path, python=self.python, env=tool_env(), log_dir=out_dir,
-                              timeout_s=ctx.settings.convert_timeout_s, allow=self.options.allow_tokenizer_mismatch)
+                              timeout_s=ctx.settings.convert_timeout_s, allow=self.options.allow_tokenizer_mismatch,
+                              texts=ctx.texts, keep=failure_log_dir(ctx.settings.logs_root))
         parts = [out]
         if self.options.split_max_size:
             parts = split_gguf(out, self.options.split_max_size, bin_dir=llama_cpp_bin_dir(), env=tool_env(),
-                               timeout_s=ctx.settings.convert_timeout_s)
+                               timeout_s=ctx.settings.convert_timeout_s, keep=failure_log_dir(ctx.settings.logs_root))
             events.append("split")
         info = inspect_parts(parts)
         _check_output(parts[0], info, spec, base_info)
@@ -247,7 +248,7 @@ class GGUFConverter:
                    "bin_dir": str(llama_cpp_bin_dir())}
         res = run_logged([self.python, "-m", WORKER], log_dir=out.parent, name=f"quantize-{spec.name}",
                          timeout_s=ctx.settings.convert_timeout_s, env=tool_env(),
-                         stdin_text=json.dumps(request))
+                         stdin_text=json.dumps(request), keep=failure_log_dir(ctx.settings.logs_root))
         if not res.ok:
             tmp.unlink(missing_ok=True)
             if res.disk_full:
@@ -258,9 +259,9 @@ class GGUFConverter:
         os.replace(tmp, out)
 
 
-def _conversion_error(stderr: str, how: str, log_dir: Path, ckpt: Checkpoint) -> Exception:
+def _conversion_error(stderr: str, how: str, log: Path | None, ckpt: Checkpoint) -> Exception:
     if "No space left on device" in stderr:
-        return DiskFullError(log_dir, needed=int(ckpt.n_params * 2))
+        return DiskFullError(log.parent if log else ckpt.path, needed=int(ckpt.n_params * 2))
     if "pre-tokenizer was not recognized" in stderr or "BPE pre-tokenizer" in stderr:
         return TokenizerUnsupportedError(
             f"llama.cpp's converter does not recognise the BPE pre-tokenizer of {ckpt.path}: it cannot "
@@ -271,7 +272,7 @@ def _conversion_error(stderr: str, how: str, log_dir: Path, ckpt: Checkpoint) ->
         return UnsupportedArchitectureError(f"llama.cpp's converter does not support {ckpt.architecture}",
                                             supported=[])
     return ConversionError(f"convert_hf_to_gguf.py {how} on {ckpt.path}", stderr_tail=stderr,
-                           hint=f"see the full log in {log_dir}/convert.err")
+                           hint=f"see the full log {log}")
 
 
 def inspect_gguf(path: Path) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class ImatrixRequest:
 
 def ensure_imatrix(base: Path, folder: Path, request: ImatrixRequest, key: str, *, bin_dir: Path,
                    env: dict[str, str], threads: int, timeout_s: float,
-                   python: str = sys.executable) -> tuple[Path, dict[str, Any], bool]:
+                   python: str = sys.executable, keep: Path | None = None) -> tuple[Path, dict[str, Any], bool]:
     """Return (imatrix path, its lineage record, whether it was computed now), computing it only if missing.
 
     Raises:
@@ -70,14 +70,14 @@ def ensure_imatrix(base: Path, folder: Path, request: ImatrixRequest, key: str, 
         os.replace(tmp, out)
     else:
         _run_imatrix(base, out, request, bin_dir=bin_dir, env=env, threads=threads, timeout_s=timeout_s,
-                     python=python)
+                     python=python, keep=keep)
     meta = {**imatrix_record(out, request), "key": key}
     marker.write_text(json.dumps(meta))
     return out, meta, computed
 
 
 def _run_imatrix(base: Path, out: Path, request: ImatrixRequest, *, bin_dir: Path, env: dict[str, str],
-                 threads: int, timeout_s: float, python: str) -> None:
+                 threads: int, timeout_s: float, python: str, keep: Path | None) -> None:
     folder = out.parent
     calib_name = f"calibration-{request.calibration_sha256[:16]}.txt"
     if not (folder / calib_name).is_file():
@@ -87,7 +87,7 @@ def _run_imatrix(base: Path, out: Path, request: ImatrixRequest, *, bin_dir: Pat
            "-c", str(request.context), "-t", str(threads), "--no-ppl"]
     if request.chunks is not None:
         cmd += ["--chunks", str(request.chunks)]
-    res = run_logged(cmd, log_dir=folder, name="imatrix", timeout_s=timeout_s, env=env, cwd=folder)
+    res = run_logged(cmd, log_dir=folder, name="imatrix", timeout_s=timeout_s, env=env, cwd=folder, keep=keep)
     if not res.ok or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         # llama-imatrix's log is asynchronous and can be lost when it exits early: count the tokens ourselves

@@ -18,7 +18,8 @@ from pipeline.proc import run_logged
 PART_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
-def split_gguf(path: Path, max_size: str, *, bin_dir: Path, env: dict[str, str], timeout_s: float) -> list[Path]:
+def split_gguf(path: Path, max_size: str, *, bin_dir: Path, env: dict[str, str], timeout_s: float,
+               keep: Path | None = None) -> list[Path]:
     """Split ``path`` into parts of at most ``max_size`` (``500M``, ``2G``) next to it; remove ``path``.
 
     Returns the parts in order. Raises ConversionError (leaving no part behind) when the tool fails.
@@ -28,7 +29,7 @@ def split_gguf(path: Path, max_size: str, *, bin_dir: Path, env: dict[str, str],
     work.mkdir()  # llama-gguf-split does not create folders
     cmd = [str(bin_dir / "llama-gguf-split"), "--split", "--split-max-size", max_size, str(path),
            str(work / path.stem)]
-    res = run_logged(cmd, log_dir=path.parent, name=f"split-{path.stem}", timeout_s=timeout_s, env=env)
+    res = run_logged(cmd, log_dir=path.parent, name=f"split-{path.stem}", timeout_s=timeout_s, env=env, keep=keep)
     parts = sorted(work.glob(f"{path.stem}-*-of-*.gguf"))
     if not res.ok or not parts:
         shutil.rmtree(work, ignore_errors=True)

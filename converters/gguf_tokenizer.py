@@ -3,8 +3,11 @@
 A GGUF carries its own copy of the vocabulary and a pre-tokenizer *name*; when the converter guesses
 that name wrong, llama.cpp silently splits text differently from the model's training tokenizer and
 quality drops without any error. So every built GGUF tokenizes a probe text (whitespace runs, digits,
-contractions, code, several scripts, emoji) with llama.cpp — in a worker subprocess, as the
-orchestrating process never imports an engine — and the ids are compared with ``AutoTokenizer``'s.
+contractions, code, several scripts, emoji) and the whole evaluation and calibration texts of the run
+with llama.cpp — in one worker subprocess, as the orchestrating process never imports an engine — and
+the ids are compared with ``AutoTokenizer``'s. A probe alone misses real cases: SmolLM2 with a bare
+ByteLevel pre-tokenizer agrees with llama.cpp's ``smollm`` on every probe line and first differs at
+``"\n\n200"``, 160 tokens into an English Wikipedia text. llama.cpp tokenizes a megabyte in about a second.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import functools
 import hashlib
 import json
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,10 +44,15 @@ PROBE_TEXT = (
 )
 
 
+PROBE = "probe"
+
+
 @dataclass(frozen=True)
 class ParityReport:
-    """What the parity check found; ``record()`` is what lineage keeps."""
+    """What the parity check found on one text; ``record()`` is what lineage keeps."""
 
+    label: str
+    sha256: str
     ok: bool
     n_hf: int
     n_gguf: int
@@ -52,13 +61,14 @@ class ParityReport:
     gguf: list[int]
     hf_pieces: list[str]
     gguf_pieces: list[str]
+    char_offset: int | None = None
+    snippet: str | None = None
 
-    def record(self, allowed: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"ok": self.ok, "probe_sha256": probe_sha256(), "tokens_hf": self.n_hf,
-                               "tokens_gguf": self.n_gguf}
+    def record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ok": self.ok, "sha256": self.sha256, "tokens_hf": self.n_hf, "tokens_gguf": self.n_gguf}
         if not self.ok:
-            out.update({"first_difference": self.position, "allowed_by_override": allowed,
-                        "hf": self.hf, "gguf": self.gguf})
+            out.update({"first_difference": self.position, "char_offset": self.char_offset, "snippet": self.snippet,
+                        "hf": self.hf, "gguf": self.gguf, "hf_pieces": self.hf_pieces, "gguf_pieces": self.gguf_pieces})
         return out
 
 
@@ -66,66 +76,115 @@ def probe_sha256(text: str = PROBE_TEXT) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=16)
 def hf_tokens(checkpoint: Path, text: str = PROBE_TEXT) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Ids and pieces of ``text`` with the checkpoint's own tokenizer, special tokens added as by default."""
+    ids, pieces, _ = _hf_encode(checkpoint, text)
+    return ids, pieces
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(checkpoint: Path) -> Any:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(checkpoint)
-    ids = list(tok(text)["input_ids"])
-    return tuple(ids), tuple(str(p) for p in tok.convert_ids_to_tokens(ids))
+    return AutoTokenizer.from_pretrained(checkpoint)
 
 
-def gguf_tokens(gguf: Path, *, python: str, env: dict[str, str], log_dir: Path, timeout_s: float,
-                text: str = PROBE_TEXT) -> tuple[list[int], list[str]]:
-    """Ids and pieces of ``text`` with the GGUF's tokenizer, from a llama.cpp worker subprocess."""
+@functools.lru_cache(maxsize=16)
+def _hf_encode(checkpoint: Path, text: str) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...] | None]:
+    """Ids, pieces and each token's start character (None where the tokenizer gives no offsets)."""
+    tok = _tokenizer(checkpoint)
+    try:
+        enc = tok(text, return_offsets_mapping=True)
+        starts: tuple[int, ...] | None = tuple(int(a) for a, _ in enc["offset_mapping"])
+    except (NotImplementedError, ValueError, TypeError):
+        enc, starts = tok(text), None
+    ids = [int(i) for i in enc["input_ids"]]
+    return tuple(ids), tuple(str(p) for p in tok.convert_ids_to_tokens(ids)), starts
+
+
+def gguf_tokenize(gguf: Path, texts: Mapping[str, str], *, python: str, env: dict[str, str], log_dir: Path,
+                  timeout_s: float, keep: Path | None = None) -> dict[str, tuple[list[int], list[str]]]:
+    """Ids and pieces of every text with the GGUF's tokenizer, from one llama.cpp worker subprocess."""
     with tempfile.TemporaryDirectory(dir=log_dir) as tmp:
         output = Path(tmp) / "tokens.json"
-        request = {"model": str(gguf), "text": text, "output": str(output)}
+        request = {"model": str(gguf), "texts": dict(texts), "output": str(output)}
         res = run_logged([python, "-m", WORKER], log_dir=log_dir, name=f"tokenize-{gguf.stem}", timeout_s=timeout_s,
-                         env=env, stdin_text=json.dumps(request))
+                         env=env, stdin_text=json.dumps(request), keep=keep)
         if not res.ok or not output.is_file():
             raise ConversionError(f"llama.cpp could not load the tokenizer of {gguf.name}: the worker {res.describe()}",
                                   stderr_tail=res.stderr_tail, hint=f"see the log {res.log}")
         data = json.loads(output.read_text(encoding="utf-8"))
-    return [int(i) for i in data["ids"]], [str(p) for p in data["pieces"]]
+    return {label: ([int(i) for i in r["ids"]], [str(p) for p in r["pieces"]]) for label, r in data.items()}
 
 
-def compare(hf: tuple[list[int], list[str]], gguf: tuple[list[int], list[str]]) -> ParityReport:
-    """Find the first position where the two tokenizations differ (or where one ends early)."""
+def gguf_tokens(gguf: Path, *, python: str, env: dict[str, str], log_dir: Path, timeout_s: float,
+                text: str = PROBE_TEXT, keep: Path | None = None) -> tuple[list[int], list[str]]:
+    """Ids and pieces of one ``text`` with the GGUF's tokenizer (see :func:`gguf_tokenize`)."""
+    return gguf_tokenize(gguf, {"text": text}, python=python, env=env, log_dir=log_dir, timeout_s=timeout_s,
+                         keep=keep)["text"]
+
+
+def compare(hf: tuple[list[int], list[str]], gguf: tuple[list[int], list[str]], *, label: str = PROBE,
+            text: str = PROBE_TEXT, starts: Sequence[int] | None = None) -> ParityReport:
+    """Find the first position where the two tokenizations differ (or where one ends early); on a
+    difference, say where in ``text`` it is (character offset and the text around it) when known."""
     (hf_ids, hf_pieces), (gg_ids, gg_pieces) = hf, gguf
     position = next((i for i, (a, b) in enumerate(zip(hf_ids, gg_ids, strict=False)) if a != b), None)
     if position is None and len(hf_ids) != len(gg_ids):
         position = min(len(hf_ids), len(gg_ids))
     lo, hi = (0, 0) if position is None else (max(0, position - CONTEXT), position + CONTEXT + 1)
-    return ParityReport(ok=position is None, n_hf=len(hf_ids), n_gguf=len(gg_ids), position=position,
-                        hf=hf_ids[lo:hi], gguf=gg_ids[lo:hi], hf_pieces=hf_pieces[lo:hi], gguf_pieces=gg_pieces[lo:hi])
+    char = snippet = None
+    if position is not None and starts is not None and position < len(starts):
+        char = int(starts[position])
+        snippet = text[max(0, char - 30):char + 30]
+    return ParityReport(label=label, sha256=probe_sha256(text), ok=position is None, n_hf=len(hf_ids),
+                        n_gguf=len(gg_ids), position=position, hf=hf_ids[lo:hi], gguf=gg_ids[lo:hi],
+                        hf_pieces=hf_pieces[lo:hi], gguf_pieces=gg_pieces[lo:hi], char_offset=char, snippet=snippet)
 
 
 def mismatch_error(report: ParityReport, gguf: Path, checkpoint: Path) -> TokenizerMismatchError:
     assert report.position is not None
     start = max(0, report.position - CONTEXT)
+    where = "the probe text" if report.label == PROBE else f"the text {report.label}"
+    at = f" (character {report.char_offset}, near {report.snippet!r})" if report.char_offset is not None else ""
     return TokenizerMismatchError(
-        f"{gguf.name} tokenizes differently from the HF tokenizer of {checkpoint}: first difference at token "
-        f"position {report.position} of the probe text ({report.n_hf} HF tokens, {report.n_gguf} GGUF tokens). "
+        f"{gguf.name} tokenizes differently from the HF tokenizer of {checkpoint}: first difference in {where} at "
+        f"token position {report.position}{at} ({report.n_hf} HF tokens, {report.n_gguf} GGUF tokens). "
         f"From position {start}: HF {report.hf} {report.hf_pieces} vs GGUF {report.gguf} {report.gguf_pieces}",
         position=report.position, expected=report.hf, found=report.gguf,
         hint="the GGUF would silently feed the model different tokens than it was trained on; fix the tokenizer "
-             "files or llama.cpp's pre-tokenizer detection, or pass --allow-tokenizer-mismatch to register it "
-             "anyway (recorded in the lineage)")
+             "files (e.g. the pre-tokenizer in tokenizer.json) or llama.cpp's pre-tokenizer detection, or pass "
+             "--allow-tokenizer-mismatch to register it anyway (recorded in the lineage)")
 
 
 def check_parity(gguf: Path, checkpoint: Path, *, python: str, env: dict[str, str], log_dir: Path,
-                 timeout_s: float, allow: bool) -> dict[str, Any]:
-    """Compare the GGUF's tokenization of the probe with the HF tokenizer's; return the lineage record.
+                 timeout_s: float, allow: bool, texts: Mapping[str, str] | None = None,
+                 keep: Path | None = None) -> dict[str, Any]:
+    """Compare the GGUF's tokenization with the HF tokenizer's on the probe and on every one of ``texts``
+    (label → text: the evaluation and calibration texts a run uses); return the lineage record.
+
+    The probe covers what pre-tokenizers disagree on; the texts are what the variant is measured and
+    calibrated on, where a rare disagreement (a digit run after a newline) can hide from any probe.
 
     Raises:
-        TokenizerMismatchError: they differ and ``allow`` is off (the message shows the first position).
+        TokenizerMismatchError: they differ and ``allow`` is off (the message shows the first position,
+            the text it is in and the characters around it).
         ConversionError: llama.cpp cannot load the GGUF's vocabulary.
     """
-    hf_ids, hf_pieces = hf_tokens(checkpoint)
-    report = compare((list(hf_ids), list(hf_pieces)),
-                     gguf_tokens(gguf, python=python, env=env, log_dir=log_dir, timeout_s=timeout_s))
-    if not report.ok and not allow:
-        raise mismatch_error(report, gguf, checkpoint)
-    return report.record(allowed=allow)
+    samples = {PROBE: PROBE_TEXT, **(texts or {})}
+    engine = gguf_tokenize(gguf, samples, python=python, env=env, log_dir=log_dir, timeout_s=timeout_s, keep=keep)
+    reports = []
+    for label, text in samples.items():
+        ids, pieces, starts = _hf_encode(checkpoint, text)
+        reports.append(compare((list(ids), list(pieces)), engine[label], label=label, text=text, starts=starts))
+    bad = next((r for r in reports if not r.ok), None)
+    if bad is not None and not allow:
+        raise mismatch_error(bad, gguf, checkpoint)
+    probe = reports[0]
+    record: dict[str, Any] = {"ok": bad is None, "probe_sha256": probe.sha256, "tokens_hf": probe.n_hf,
+                              "tokens_gguf": probe.n_gguf, "texts": {r.label: r.record() for r in reports}}
+    if bad is not None:
+        record.update({"first_difference": bad.position, "in": bad.label, "allowed_by_override": allow,
+                       "hf": bad.hf, "gguf": bad.gguf})
+    return record

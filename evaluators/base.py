@@ -18,7 +18,7 @@ from evaluators.metrics import compare
 from pipeline.config import Settings
 from pipeline.errors import EngineError
 from pipeline.plan import EvalSpec
-from pipeline.proc import child_env, run_logged
+from pipeline.proc import child_env, failure_log_dir, keep_failed, run_logged
 from pipeline.specs import Engine, QuantFormat
 
 
@@ -68,8 +68,10 @@ class EvalOutcome:
         return out
 
 
-def run_runner(cmd: RunnerCommand, request: dict[str, Any], out_dir: Path, timeout_s: float) -> RunnerOutput:
-    """Run a runner to completion.
+def run_runner(cmd: RunnerCommand, request: dict[str, Any], out_dir: Path, timeout_s: float,
+               keep_logs: Path | None = None) -> RunnerOutput:
+    """Run a runner to completion. When it fails, its logs are copied to ``keep_logs`` (normally
+    ``failure_log_dir(settings.logs_root)``) and the error's hint names that copy, which outlives ``out_dir``.
 
     Raises:
         EngineError: the runner crashed, was killed (OOM, SIGKILL), timed out, or wrote no result.
@@ -82,8 +84,10 @@ def run_runner(cmd: RunnerCommand, request: dict[str, Any], out_dir: Path, timeo
     env = child_env(cmd.env)
     started = time.perf_counter()
     res = run_logged([cmd.python, "-m", cmd.module, str(req_path)], log_dir=out_dir, name="runner",
-                     timeout_s=timeout_s, env=env)
+                     timeout_s=timeout_s, env=env, keep=keep_logs)
     result_path = out_dir / "result.json"
+    if res.ok and not result_path.is_file() and keep_logs is not None:
+        res = keep_failed(res, out_dir, "runner", keep_logs)
     if not res.ok or not result_path.is_file():
         how = res.describe() if not res.ok else "exited without writing result.json"
         raise EngineError(f"{cmd.engine.value} runner {how}", engine=cmd.engine.value, returncode=res.returncode,
@@ -91,6 +95,14 @@ def run_runner(cmd: RunnerCommand, request: dict[str, Any], out_dir: Path, timeo
     arrays = out_dir / "logprobs.npz"
     return RunnerOutput(result=json.loads(result_path.read_text()), arrays=arrays if arrays.is_file() else None,
                         wall_s=time.perf_counter() - started)
+
+
+def run_engine(cmd: RunnerCommand, request: dict[str, Any], out_dir: Path, settings: Settings,
+               timeout_s: float | None = None) -> RunnerOutput:
+    """:func:`run_runner` with the settings' engine timeout, keeping a failed runner's logs under
+    ``settings.logs_root`` (see pipeline.proc.failure_log_dir)."""
+    return run_runner(cmd, request, out_dir, settings.engine_timeout_s if timeout_s is None else timeout_s,
+                      keep_logs=failure_log_dir(settings.logs_root))
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_runner, score
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_engine, score
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.errors import ToolchainMissingError
@@ -48,7 +48,7 @@ class TransformersCheckEvaluator:
                    "threads": settings.threads, "dtype": "float32", "device": "cpu", "batch_size": 1}
         cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
                             env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        out = run_engine(cmd, request, out_dir, settings)
         return {"engine": self.engine.value, "engine_version": out.result["engine_version"],
                 "load_and_eval_s": round(out.wall_s, 2)}
 
@@ -64,7 +64,7 @@ class TransformersCheckEvaluator:
                    "threads": settings.threads, "dtype": "float32", "device": "cpu", "batch_size": 4}
         cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
                             env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        out = run_engine(cmd, request, out_dir, settings)
         return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
                            hardware=out.result["hardware"], window_set_id=window_set_id,
                            quality=score(reference, out, self.engine), speed=None, wall_s=out.wall_s,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, run_runner, score, speed_request
+from evaluators.base import EvalOutcome, RunnerCommand, run_engine, score, speed_request
 from pipeline import exl2_env
 from pipeline.config import Settings
 from pipeline.plan import EvalSpec
@@ -38,7 +38,7 @@ class EXL2ReferenceEvaluator:
         cmd = RunnerCommand(engine=self.engine, python=settings.core_python, module=HF_RUNNER)
         request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
                    "threads": settings.threads, "dtype": "float32", "device": "cpu", "loader": "exl2"}
-        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        out = run_engine(cmd, request, out_dir, settings)
         quality = score(reference, out, self.engine)
         version = f"quantyard exl2 codec; {out.result['engine_version']}"
         return EvalOutcome(engine=self.engine.value, engine_version=version,
@@ -63,7 +63,7 @@ class ExLlamaV2Evaluator:
         cmd = RunnerCommand(engine=self.engine, python=rt.python, module=EXLLAMAV2_RUNNER)
         request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
                    "threads": settings.threads, "speed": speed_request(spec)}
-        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        out = run_engine(cmd, request, out_dir, settings)
         quality = score(reference, out, self.engine)
         return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
                            hardware=out.result["hardware"], window_set_id=window_set_id, quality=quality,

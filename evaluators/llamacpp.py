@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_runner, score, speed_request
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_engine, score, speed_request
 from pipeline.config import Settings
 from pipeline.plan import EvalSpec
 from pipeline.proc import child_env, with_path_prefix
@@ -42,8 +42,9 @@ class LlamaCppEvaluator:
     def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
         """Load the model and run one short window (loadability); returns engine version and timing."""
         windows = probe_windows(out_dir.parent)
-        out = run_runner(self._command(settings), {"model": str(model), "windows": str(windows), "ref_topk": None,
-                                                   "top_k": 4, "threads": settings.threads}, out_dir, 600)
+        request = {"model": str(model), "windows": str(windows), "ref_topk": None, "top_k": 4,
+                   "threads": settings.threads}
+        out = run_engine(self._command(settings), request, out_dir, settings, timeout_s=600)
         return {"engine": self.engine.value, "engine_version": out.result["engine_version"],
                 "load_and_eval_s": round(out.wall_s, 2)}
 
@@ -52,8 +53,8 @@ class LlamaCppEvaluator:
         """Speed only (no quality pass): returns (speed metrics, hardware, engine version)."""
         speed = speed_request(spec) or {}
         speed["bin_dir"] = str(_bin_dir())
-        out = run_runner(self._command(settings), {"model": str(model), "windows": None, "threads": settings.threads,
-                                                   "speed": speed}, out_dir, settings.engine_timeout_s)
+        out = run_engine(self._command(settings), {"model": str(model), "windows": None, "threads": settings.threads,
+                                                   "speed": speed}, out_dir, settings)
         return out.result["speed"], out.result["hardware"], out.result["engine_version"]
 
     def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
@@ -70,7 +71,7 @@ class LlamaCppEvaluator:
         cmd = self._command(settings)
         request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
                    "threads": settings.threads, "speed": speed, "llama_cpp_commit": commit}
-        out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+        out = run_engine(cmd, request, out_dir, settings)
         quality = score(reference, out, self.engine)
         return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
                            hardware=out.result["hardware"], window_set_id=window_set_id, quality=quality,

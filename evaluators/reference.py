@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from evaluators.base import RunnerCommand, RunnerOutput, load_arrays, run_runner
+from evaluators.base import RunnerCommand, RunnerOutput, load_arrays, run_engine
 from evaluators.metrics import perplexity
 from pipeline.config import Settings
 from pipeline.plan import EvalSpec
@@ -36,7 +36,7 @@ def run_reference(checkpoint: Path, windows: Path, out_dir: Path, spec: EvalSpec
     cmd = RunnerCommand(engine=Engine.TRANSFORMERS, python=python or settings.core_python, module=RUNNER)
     request = {"model": str(checkpoint), "windows": str(windows), "ref_topk": None, "top_k": spec.top_k,
                "threads": settings.threads, "dtype": spec.reference_dtype, "device": spec.reference_device}
-    out = run_runner(cmd, request, out_dir, settings.engine_timeout_s)
+    out = run_engine(cmd, request, out_dir, settings)
     assert out.arrays is not None
     arrays = load_arrays(out.arrays)
     ppl = perplexity(arrays["target_logprob"])

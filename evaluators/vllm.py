@@ -8,15 +8,18 @@ environment's exact ``pip freeze`` with the result.
 
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_runner, score
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_engine, score
 from pipeline import envs
 from pipeline.config import Settings
-from pipeline.errors import ConfigError, ToolchainMissingError
+from pipeline.errors import ConfigError, EngineError, ToolchainMissingError
 from pipeline.plan import EvalSpec
+from pipeline.proc import child_env
 from pipeline.specs import Engine, QuantFormat
 
 RUNNER = "evaluators.runners.vllm"
@@ -43,20 +46,55 @@ def speed_shape(spec: EvalSpec, accelerator: str) -> dict[str, Any] | None:
     return {**shape, "repeats": s.repeats, "parallel": list(s.parallel), "shape": label}
 
 
-def model_dtype(model: Path, accelerator: str) -> str:
-    """``auto`` on a GPU. On CPU float32 compressed-tensors checkpoints stay float32; anything else runs
-    in bfloat16, because vLLM's CPU kernels reject float16 ("Failed to create oneDNN linear") and its
-    AWQ GEMM method rejects float32."""
-    if accelerator == "cuda":
-        return "auto"
+def checkpoint_dtype(model: Path) -> str | None:
+    """The dtype a model folder's config.json declares (None when it declares none).
+
+    Raises:
+        ConfigError: no readable config.json.
+    """
     try:
         cfg = json.loads((model / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{model} has no readable config.json", hint="evaluate a model folder") from exc
-    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "")
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "") or None
+
+
+def model_dtype(model: Path, accelerator: str) -> str:
+    """The dtype to ask vLLM for: ``auto`` on a GPU. On CPU float32 compressed-tensors checkpoints ask for
+    float32; anything else for bfloat16, because vLLM's CPU kernels reject float16 ("Failed to create
+    oneDNN linear") and its AWQ GEMM method rejects float32. The runner then keeps it only if the 4-bit
+    kernel that will serve the model computes in it (evaluators.runners.vllm.choose_dtype: vLLM's native
+    ``cpu_gemm_wna16`` on AVX-512 CPUs has no float32 path), and records both."""
+    if accelerator == "cuda":
+        return "auto"
+    dtype = checkpoint_dtype(model)
+    cfg = json.loads((model / "config.json").read_text())
     method = str((cfg.get("quantization_config") or {}).get("quant_method", ""))
     # vLLM's legacy AWQ (GEMM) method accepts only float16/bfloat16 activations.
     return "float32" if dtype == "float32" and method != "awq" else "bfloat16"
+
+
+_PROBE = ("import json, torch\nfrom vllm.platforms import current_platform\ncurrent_platform.import_kernels()\n"
+          "print(json.dumps({'cpu_gemm_wna16': hasattr(torch.ops._C, 'cpu_gemm_wna16'),"
+          " 'avx512': torch.cpu._is_avx512_supported(), 'avx512_bf16': torch.cpu._is_avx512_bf16_supported(),"
+          " 'amx': torch.cpu._is_amx_tile_supported()}))")
+
+
+@functools.lru_cache(maxsize=4)
+def cpu_kernels(python: str) -> dict[str, bool]:
+    """What vLLM's CPU build in ``python`` loads on this CPU: whether its native 4-bit kernel
+    ``cpu_gemm_wna16`` exists (the AVX-512 builds) and the ISA features torch sees. Imports vLLM once in
+    a subprocess (several seconds); cached per interpreter.
+
+    Raises:
+        EngineError: the interpreter cannot import vLLM.
+    """
+    res = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=300,
+                         env=child_env({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}))
+    if res.returncode != 0:
+        raise EngineError(f"cannot probe vLLM's CPU kernels with {python}", engine="vllm",
+                          returncode=res.returncode, stderr_tail=res.stderr[-3000:])
+    return dict(json.loads(res.stdout.strip().splitlines()[-1]))
 
 
 class VLLMEvaluator:
@@ -80,18 +118,20 @@ class VLLMEvaluator:
         request = {"model": str(model), "windows": str(windows) if quality and windows else None,
                    "ref_topk": str(reference) if reference else None, "top_k": spec.top_k,
                    "threads": settings.threads, "speed": speed, "dtype": model_dtype(model, env.accelerator),
+                   "checkpoint_dtype": checkpoint_dtype(model), "wna16_kernel": settings.vllm_cpu_wna16,
                    "max_model_len": longest + 8, "max_num_seqs": max([8, *spec.speed.parallel]),
                    "max_num_batched_tokens": max(8192, longest + 8), "logprob_method": "auto"}
         cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
                             env=_runner_env(settings, env.accelerator))
-        return run_runner(cmd, request, out_dir, settings.engine_timeout_s), env
+        return run_engine(cmd, request, out_dir, settings), env
 
     def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
         """Start vLLM on the folder and score one short window (validate's loadability check)."""
         spec = EvalSpec(top_k=4, speed=EvalSpec().speed.model_copy(update={"enabled": False}))
         out, _ = self._run(model, probe_windows(out_dir.parent), None, spec, out_dir, settings)
         return {"engine": self.engine.value, "engine_version": out.result["engine_version"],
-                "load_and_eval_s": round(out.wall_s, 2), "wna16_kernel": out.result.get("wna16_kernel")}
+                "load_and_eval_s": round(out.wall_s, 2), "wna16_kernel": out.result.get("wna16_kernel"),
+                **{k: out.result[k] for k in ("dtype", "dtype_note") if k in out.result}}
 
     def measure_speed(self, model: Path, *, spec: EvalSpec, out_dir: Path,
                       settings: Settings) -> tuple[dict[str, Any], dict[str, Any], str]:

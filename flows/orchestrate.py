@@ -170,7 +170,7 @@ def _dispatch(request: StageRequest, dispatch: Dispatch, timeout_s: float) -> tu
         try:
             STAGE_FLOWS[request.stage](request=request)
         except QuantyardError as exc:
-            return False, {"error": f"{type(exc).__name__}: {exc.message}"}
+            return False, {"error": exc.summary()}
         return True, {"work_pool": None}
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound

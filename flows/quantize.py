@@ -80,7 +80,7 @@ def _build_all(plan: Plan, settings: Settings, resolved: steps.Resolved, report:
                 except DiskFullError:
                     raise  # no later variant can succeed either: stop with the clear error
                 except QuantyardError as exc:
-                    out.status, out.error, out.error_type = "failed", exc.message, type(exc).__name__
+                    out.status, out.error, out.error_type = "failed", exc.summary(), type(exc).__name__
                     report.events.append(f"failed:{spec.name}")
                     continue
                 report.events.extend(f"{e}:{spec.name}" for e in built.events)
@@ -127,7 +127,7 @@ def _evaluate_one(plan: Plan, settings: Settings, report: ConvertReport, out: Va
         with _timed(report, "evaluate"), stage("evaluate", out.variant):
             outcome = evaluate_task(settings, out.ref, out.format, windows, ws_meta, reference, plan.eval)
     except QuantyardError as exc:
-        out.eval_status, out.eval_error = "failed", f"{type(exc).__name__}: {exc.message}"
+        out.eval_status, out.eval_error = "failed", exc.summary()
         report.events.append(f"eval_failed:{out.variant}")
         return
     report.events.append(f"evaluate:{out.variant}")
@@ -154,7 +154,7 @@ def _cross_check(plan: Plan, settings: Settings, report: ConvertReport, out: Var
             evaluate_task(settings, out.ref, out.format, windows, ws_meta, reference, plan.eval, engine)
     except QuantyardError as exc:
         report.events.append(f"cross_check_failed:{out.variant}")
-        out.eval_error = f"cross-check on {engine}: {type(exc).__name__}: {exc.message}"
+        out.eval_error = f"cross-check on {engine}: {exc.summary()}"
         return
     report.events.append(f"cross_check:{out.variant}")
 

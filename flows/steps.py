@@ -31,6 +31,7 @@ from pipeline.config import Settings
 from pipeline.demo_model import CALIB_TEXT, EVAL_TEXT, DemoRecipe, corpus
 from pipeline.errors import ConfigError, QuantyardError
 from pipeline.plan import EvalSpec, Plan
+from pipeline.real_model import RealRecipe, cached_real_model, text_origin
 from pipeline.specs import SourceKind, SourceRef, spec_digest, validate_model_name
 from registry import open_registry
 from registry.store import RegisterRequest, VersionView
@@ -124,10 +125,23 @@ def find_existing(settings: Settings, resolved: Resolved, spec: Any, key: str) -
     return reg.find_build(resolved.model_name, spec.name, key)
 
 
-def _context(resolved: Resolved, settings: Settings) -> BuildContext:
+def _context(plan: Plan, resolved: Resolved, settings: Settings) -> BuildContext:
     text, origin = calibration_text(resolved)
     return BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
-                        settings=settings, calibration=Calibration(text=text, origin=origin))
+                        settings=settings, calibration=Calibration(text=text, origin=origin),
+                        texts=run_texts(plan, resolved))
+
+
+def run_texts(plan: Plan, resolved: Resolved) -> dict[str, str]:
+    """The texts a run measures and calibrates on, by origin: the evaluation text (when the plan
+    evaluates) and the calibration text the plan names, else the checkpoint's own."""
+    texts = {}
+    if plan.eval.enabled:
+        text, origin = eval_text(plan.eval, resolved)
+        texts[origin] = text
+    text, origin = calibration_text(resolved, plan.calibration.file)
+    texts.setdefault(origin, text)
+    return texts
 
 
 def prepare_format(fmt: str, plan: Plan, resolved: Resolved, specs: list[Any], settings: Settings) -> Prepared:
@@ -140,7 +154,7 @@ def prepare_format(fmt: str, plan: Plan, resolved: Resolved, specs: list[Any], s
     if fmt == "gguf" and any(getattr(s, "imatrix", False) for s in specs):
         imatrix = gguf_steps.imatrix_request(plan, resolved, settings)
     conv = make_converter(fmt, plan, settings, imatrix=imatrix)
-    ctx = _context(resolved, settings)
+    ctx = _context(plan, resolved, settings)
     reg = open_registry(settings)
     found = {}
     for kind, key in (conv.artifact_keys(ctx, specs) if hasattr(conv, "artifact_keys") else []):
@@ -159,7 +173,7 @@ def prepare_format(fmt: str, plan: Plan, resolved: Resolved, specs: list[Any], s
 
 def build_variant(fmt: str, plan: Plan, resolved: Resolved, prepared: Prepared, spec: Any,
                   settings: Settings, staging: Path) -> BuiltVariant:
-    ctx = _context(resolved, settings)
+    ctx = _context(plan, resolved, settings)
     return make_converter(fmt, plan, settings).build(ctx, prepared, spec, staging / spec.name)
 
 
@@ -206,7 +220,7 @@ def eval_text(spec: EvalSpec, resolved: Resolved) -> tuple[str, str]:
         return _dataset_text(spec.dataset), f"dataset:{spec.dataset}"
     own = resolved.checkpoint.path / EVAL_TEXT
     if own.is_file():
-        return own.read_text(encoding="utf-8"), f"checkpoint:{EVAL_TEXT}"
+        return own.read_text(encoding="utf-8"), text_origin(resolved.checkpoint.path, EVAL_TEXT)
     return corpus(DemoRecipe())["eval"], "builtin:python-stdlib-heldout"
 
 
@@ -218,7 +232,7 @@ def calibration_text(resolved: Resolved, path: str | None = None) -> tuple[str, 
         return p.read_text(encoding="utf-8"), f"file:{p.name}"
     own = resolved.checkpoint.path / CALIB_TEXT
     if own.is_file():
-        return own.read_text(encoding="utf-8"), f"checkpoint:{CALIB_TEXT}"
+        return own.read_text(encoding="utf-8"), text_origin(resolved.checkpoint.path, CALIB_TEXT)
     return corpus(DemoRecipe())["calib"], "builtin:python-stdlib-calibration"
 
 
@@ -370,7 +384,7 @@ def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_m
 
 def _error_text(exc: QuantyardError) -> str:
     tail = getattr(exc, "stderr_tail", "") or ""
-    return f"{type(exc).__name__}: {exc.message}" + (f"\n--- stderr tail ---\n{tail[-2000:]}" if tail else "")
+    return exc.summary() + (f"\n--- stderr tail ---\n{tail[-2000:]}" if tail else "")
 
 
 def model_path(fmt: str, files: list[Path], folder: Path) -> Path:
@@ -379,6 +393,22 @@ def model_path(fmt: str, files: list[Path], folder: Path) -> Path:
         ggufs = sorted(f for f in files if f.suffix == ".gguf")
         return ggufs[0]
     return folder
+
+
+def real_checkpoint(settings: Settings, recipe: RealRecipe | None = None) -> Path:
+    """The real pretrained checkpoint (pipeline/real_model.py), built once and cached; its tokenizer is
+    checked against llama.cpp's on the original GGUF, on the whole evaluation and calibration texts."""
+    from converters.gguf import tool_env
+    from converters.gguf_tokenizer import check_parity
+    from pipeline.proc import failure_log_dir
+
+    def parity(gguf: Path, checkpoint: Path, texts: dict[str, str], log_dir: Path) -> dict[str, Any]:
+        return check_parity(gguf, checkpoint, python=settings.core_python, env=tool_env(), log_dir=log_dir,
+                            timeout_s=600, allow=False, texts=texts, keep=failure_log_dir(settings.logs_root))
+
+    recipe = recipe or RealRecipe()
+    return cached_real_model(settings.cache_dir, settings.core_python, parity if recipe.fix_pretokenizer else None,
+                             recipe)
 
 
 def cleanup(path: Path) -> None:

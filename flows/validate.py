@@ -257,7 +257,7 @@ def check_quality(target: Target, settings: Settings, opts: ValidateOptions, wor
 
 
 def _same_hardware(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in ("cpu", "cores", "threads", "gpu", "machine")
+    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in ("cpu", "cores", "threads", "gpu", "machine", "cpu_flags")
             if a.get(k) != b.get(k)]
 
 

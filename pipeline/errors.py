@@ -32,6 +32,10 @@ class QuantyardError(Exception):
         self.hint = hint
         super().__init__(message if hint is None else f"{message}\n  → {hint}")
 
+    def summary(self) -> str:
+        """One line for tables and stored results: type, message and what to do (a log path, often)."""
+        return f"{type(self).__name__}: {self.message}" + (f" → {self.hint}" if self.hint else "")
+
     def to_dict(self) -> dict[str, str | None]:
         return {"error": self.code, "type": type(self).__name__, "message": self.message, "hint": self.hint}
 

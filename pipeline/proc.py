@@ -4,6 +4,12 @@ A child runs in its own process group, so a timeout kills it and everything it
 spawned. Its stderr is streamed to a log file and the tail is kept for error
 messages. Signals, out-of-memory kills and non-zero exits become a
 :class:`ProcResult` the caller maps to its typed error.
+
+Logs are written next to the work (often a scratch folder that is removed when the
+step ends). When a child fails and the caller passes ``keep``, its ``.out`` and
+``.err`` are copied to ``keep`` first, normally ``CACHE_DIR/logs/<run id>/`` (see
+:func:`failure_log_dir`), so the path an error message prints still exists
+afterwards. Old run folders there are pruned (:func:`prune_logs`).
 """
 
 from __future__ import annotations
@@ -11,17 +17,23 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TAIL_BYTES = 6000
 _PR_SET_PDEATHSIG = 1
+#: This process's run id: the folder under the logs root where its failed children's logs are kept.
+RUN_ID = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+#: Kept-log folders beyond the newest KEEP_RUNS, or older than KEEP_DAYS, are removed.
+KEEP_RUNS = 50
+KEEP_DAYS = 14
 
 # Looked up before any fork: the child only makes the call (no allocation, no import).
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
@@ -93,10 +105,45 @@ def with_path_prefix(env: Mapping[str, str], name: str, prefix: Path) -> dict[st
     return out
 
 
+def failure_log_dir(logs_root: Path) -> Path:
+    """Where this process keeps the logs of failed children: ``LOGS_ROOT/<run id>``."""
+    return logs_root / RUN_ID
+
+
+def prune_logs(logs_root: Path, keep_runs: int = KEEP_RUNS, keep_days: float = KEEP_DAYS) -> list[Path]:
+    """Remove run folders under ``logs_root`` beyond the newest ``keep_runs`` or older than ``keep_days``
+    (never this process's own); returns what was removed."""
+    if not logs_root.is_dir():
+        return []
+    runs = sorted((p for p in logs_root.iterdir() if p.is_dir() and p.name != RUN_ID),
+                  key=lambda p: p.stat().st_mtime, reverse=True)
+    cutoff = time.time() - keep_days * 86400
+    doomed = [p for i, p in enumerate(runs) if i >= keep_runs - 1 or p.stat().st_mtime < cutoff]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def keep_failed(res: ProcResult, log_dir: Path, name: str, keep: Path) -> ProcResult:
+    """Copy a failed child's logs to ``keep`` (a new name if one is taken); the result points there."""
+    keep.mkdir(parents=True, exist_ok=True)
+    stem, n = name, 1
+    while (keep / f"{stem}.err").exists():
+        n += 1
+        stem = f"{name}-{n}"
+    for ext in ("out", "err"):
+        src = log_dir / f"{name}.{ext}"
+        if src.is_file():
+            shutil.copyfile(src, keep / f"{stem}.{ext}")
+    prune_logs(keep.parent)
+    return replace(res, log=keep / f"{stem}.err")
+
+
 def run_logged(cmd: Sequence[str], *, log_dir: Path, name: str, timeout_s: float,
                env: Mapping[str, str] | None = None, stdin_text: str | None = None,
-               cwd: Path | None = None) -> ProcResult:
-    """Run ``cmd`` to completion with stdout/stderr in ``log_dir/name.{out,err}``."""
+               cwd: Path | None = None, keep: Path | None = None) -> ProcResult:
+    """Run ``cmd`` to completion with stdout/stderr in ``log_dir/name.{out,err}``; if it fails and
+    ``keep`` is given, the two files are copied there too and ``log`` names the kept copy."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path, err_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
     started = time.perf_counter()
@@ -115,8 +162,9 @@ def run_logged(cmd: Sequence[str], *, log_dir: Path, name: str, timeout_s: float
         except BaseException:
             _kill_group(proc)  # Ctrl-C or a cancelled flow must not leave orphans behind
             raise
-    return ProcResult(returncode=proc.returncode, stdout_tail=_tail(out_path), stderr_tail=_tail(err_path),
-                      wall_s=time.perf_counter() - started, timed_out=timed_out, log=err_path)
+    res = ProcResult(returncode=proc.returncode, stdout_tail=_tail(out_path), stderr_tail=_tail(err_path),
+                     wall_s=time.perf_counter() - started, timed_out=timed_out, log=err_path)
+    return res if res.ok or keep is None else keep_failed(res, log_dir, name, keep)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

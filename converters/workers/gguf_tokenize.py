@@ -1,8 +1,9 @@
-"""Tokenize a text with a GGUF's own tokenizer (llama.cpp, vocabulary only). JSON request on stdin:
+"""Tokenize texts with a GGUF's own tokenizer (llama.cpp, vocabulary only). JSON request on stdin:
 
-``{"model": path.gguf, "text": str, "output": path.json}``; writes ``{"ids": [...], "pieces": [...]}``
-to ``output``. Special tokens are added the way the GGUF's metadata says (``add_bos_token`` ...), as
-the HF tokenizer adds them by default, and text that looks like a special token is not parsed as one.
+``{"model": path.gguf, "texts": {label: str}, "output": path.json}``; writes
+``{label: {"ids": [...], "pieces": [...]}}`` to ``output``. Special tokens are added the way the GGUF's
+metadata says (``add_bos_token`` ...), as the HF tokenizer adds them by default, and text that looks like
+a special token is not parsed as one.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ def main() -> int:
     import llama_cpp
 
     model = llama_cpp.Llama(req["model"], vocab_only=True, verbose=False)
-    ids = model.tokenize(req["text"].encode("utf-8"), add_bos=True, special=False)
-    pieces = [model.detokenize([i], special=True).decode("utf-8", errors="replace") for i in ids]
-    Path(req["output"]).write_text(json.dumps({"ids": ids, "pieces": pieces}), encoding="utf-8")
+    piece: dict[int, str] = {}
+    out = {}
+    for label, text in req["texts"].items():
+        ids = model.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+        for i in set(ids) - piece.keys():
+            piece[i] = model.detokenize([i], special=True).decode("utf-8", errors="replace")
+        out[label] = {"ids": ids, "pieces": [piece[i] for i in ids]}
+    Path(req["output"]).write_text(json.dumps(out), encoding="utf-8")
     return 0
 
 

