@@ -32,7 +32,7 @@ from pipeline.demo_model import CALIB_TEXT, EVAL_TEXT, DemoRecipe, corpus
 from pipeline.errors import ConfigError, QuantyardError
 from pipeline.plan import EvalSpec, Plan
 from pipeline.real_model import RealRecipe, cached_real_model, text_origin
-from pipeline.specs import SourceKind, SourceRef, spec_digest, validate_model_name
+from pipeline.specs import QuantFormat, SourceKind, SourceRef, spec_digest, validate_model_name
 from registry import open_registry
 from registry.store import RegisterRequest, VersionView
 
@@ -117,6 +117,9 @@ def build_inputs(plan: Plan, resolved: Resolved, spec: Any, settings: Settings) 
     """Inputs besides the spec and tools that change a variant's bytes (see :func:`build_key`)."""
     from flows import gguf_steps
 
+    if spec.format == QuantFormat.AWQ:
+        compute = make_converter("awq", plan, settings).compute_dtype(resolved.checkpoint)
+        return {"compute_dtype": compute} if compute else {}
     return gguf_steps.build_inputs(plan, resolved, spec, settings)
 
 

@@ -389,12 +389,17 @@ def check_tokenizer_parity(target: Target, settings: Settings, work: Path) -> tu
         raise CheckSkipped(f"the source is not available here: {exc.message}") from exc
     log_dir = work / "tokenize"
     log_dir.mkdir(parents=True, exist_ok=True)
+    texts: dict[str, str] = {}  # origin -> text: what the source is evaluated and calibrated on by default
+    for text, origin in (steps.eval_text(EvalSpec(), resolved), steps.calibration_text(resolved)):
+        texts.setdefault(origin, text)
     try:
         record = check_parity(target.model_path, resolved.checkpoint.path, python=settings.core_python,
-                              env=tool_env(), log_dir=log_dir, timeout_s=600, allow=False)
+                              env=tool_env(), log_dir=log_dir, timeout_s=600, allow=False, texts=texts)
     except TokenizerMismatchError as exc:
         raise CheckFailed(exc.message, position=exc.position, hf=exc.expected, gguf=exc.found) from exc
-    return f"{record['tokens_hf']} probe tokens identical to the HF tokenizer's", record
+    n_text = sum(r["tokens_hf"] for label, r in record["texts"].items() if label != "probe")
+    return (f"{record['tokens_hf']} probe tokens and {n_text} tokens of the source's evaluation and calibration "
+            "texts identical to the HF tokenizer's", record)
 
 
 def promote(report: ValidationReport, target_text: str, settings: Settings) -> str | None:

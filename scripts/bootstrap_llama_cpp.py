@@ -62,11 +62,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def cpu_key() -> str:
-    """A short key for 'wheels built here run here': arch, CPU model, ISA flags, compiler, Python."""
+def cpu_key(cpuinfo: str | None = None) -> str:
+    """A short key for 'wheels built here run here': arch, CPU model, ISA flags, compiler, Python.
+
+    The build compiles with -march=native, so a wheel built on an AVX-512 CPU dies with SIGILL on an
+    AVX2-only one (and one built on AVX2 leaves AVX-512 unused): every flag is part of the key, sorted
+    so that only the set counts. ``cpuinfo``: the text of /proc/cpuinfo (read when None).
+    """
     parts = [platform.machine(), sys.version_info[:2].__repr__()]
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        info = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
         for field in ("model name", "flags", "Features"):
             m = re.search(rf"^{field}\s*:\s*(.*)$", info, re.M)
             if m:

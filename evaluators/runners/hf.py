@@ -59,7 +59,8 @@ def main() -> None:
         "engine": "transformers" if req.get("loader") != "exl2" else "exl2-reference",
         "engine_version": version,
         "hardware": hardware(int(req["threads"])),
-        "quality": {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s},
+        "quality": {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s,
+                    "dtype": req.get("dtype", "float32")},
     })
 
 

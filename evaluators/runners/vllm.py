@@ -131,7 +131,7 @@ def wna16_kernel(mode: str = "auto") -> dict[str, Any]:
 
 
 def _flags() -> str:
-    from evaluators.runners._protocol import cpu_flags
+    from pipeline.cpu import cpu_flags
 
     return cpu_flags() or "unknown"
 

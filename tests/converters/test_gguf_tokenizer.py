@@ -1,6 +1,8 @@
-"""Tokenizer parity: the GGUF must tokenize the probe text exactly like the checkpoint's HF tokenizer.
-The demo passes; a GGUF whose vocabulary was edited with gguf-py is caught with the first differing
-position, fails its variant, and is registered only with --allow-tokenizer-mismatch (recorded)."""
+"""Tokenizer parity: the GGUF must tokenize the probe text, and the run's evaluation and calibration texts,
+exactly like the checkpoint's HF tokenizer. The demo passes; a GGUF whose vocabulary was edited with gguf-py
+is caught with the first differing position, fails its variant, and is registered only with
+--allow-tokenizer-mismatch (recorded); a real checkpoint whose pre-tokenizer does not split digits, converted
+to a GGUF whose pre-tokenizer does, passes the probe and is caught on the text."""
 
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ from converters.gguf import GGUFConverter, tool_env
 from converters.gguf_tokenizer import PROBE_TEXT, check_parity, hf_tokens
 from converters.source import resolve_source
 from flows.quantize import convert_flow
+from flows.steps import real_checkpoint
 from pipeline.config import Settings
 from pipeline.errors import NotFoundError, TokenizerMismatchError
 from pipeline.plan import EvalSpec, Plan, SourceInput, variants_from_flags
+from pipeline.real_model import RealRecipe
 from registry import open_registry
 from tests.conftest import make_settings
 from tests.factories import gguf_swap_tokens
@@ -96,3 +100,37 @@ def test_mismatch_fails_the_variant_unless_allowed(demo_model: Path, shared_work
     parity = open_registry(cfg.registry).get_version("demo/Q8_0").lineage["parameters"]["tokenizer_parity"]
     assert parity["ok"] is False and parity["allowed_by_override"] is True
     assert parity["first_difference"] == position
+
+
+def test_demo_gguf_tokenizes_its_texts_like_hf(demo_model: Path, shared_work: Path, cache_dir: Path,
+                                               tmp_path: Path) -> None:
+    cfg = make_settings(tmp_path / "registry", shared_work, cache_dir)
+    texts = {name: (demo_model / name).read_text(encoding="utf-8") for name in ("eval.txt", "calibration.txt")}
+    record = check_parity(_base(demo_model, cfg), demo_model, python=sys.executable, env=tool_env(),
+                          log_dir=tmp_path, timeout_s=120, allow=False, texts=texts)
+    assert record["ok"] is True and set(record["texts"]) == {"probe", *texts}
+    assert all(r["tokens_hf"] == r["tokens_gguf"] > 10_000 for k, r in record["texts"].items() if k != "probe")
+
+
+@pytest.mark.slow
+def test_checkpoint_without_digit_split_is_caught_on_the_text(cache_dir: Path, tmp_path: Path,
+                                                              registry_path: Path, prefect_harness: None) -> None:
+    """SmolLM2 with the bare ByteLevel pre-tokenizer transformers writes converts to a GGUF whose pre-type is
+    llama.cpp's ``smollm`` (digits split first). The probe agrees; the calibration text (English Wikipedia)
+    does not ("\\n\\n2007": HF gives two newline tokens, llama.cpp one), so the variant fails and nothing is
+    registered."""
+    broken = real_checkpoint(Settings(cache_dir=cache_dir), RealRecipe(fix_pretokenizer=False))
+    cfg = make_settings(registry_path, tmp_path / "work", cache_dir)
+    plan = Plan(source=SourceInput(source=str(broken)), model_name="smol-unfixed",
+                variants=variants_from_flags(gguf="BF16"), eval=EvalSpec(enabled=False))
+    report = convert_flow(plan, cfg)
+    (outcome,) = report.variants
+    assert outcome.status == "failed" and outcome.error_type == "TokenizerMismatchError", outcome
+    assert "in the text checkpoint:calibration.txt" in (outcome.error or "")
+    assert "'\\n\\n'" in (outcome.error or "") and "'Ċ', 'Ċ'" in (outcome.error or "")  # one token vs two
+    with pytest.raises(NotFoundError):
+        open_registry(cfg.registry).list_variants("smol-unfixed")
+    gguf = next((cfg.work_root / "gguf-base").glob("*/smol-unfixed-BF16.gguf"))
+    probe_only = check_parity(gguf, broken, python=sys.executable, env=tool_env(), log_dir=tmp_path,
+                              timeout_s=120, allow=False)
+    assert probe_only["ok"] is True  # what a probe-only check (the old one) let through
