@@ -59,7 +59,9 @@ def run_flow(registry: Path, windows: int) -> float:
 def rows(registry: Path, windows: int, checkpoint: Path, threads: int, work: Path) -> list[dict[str, Any]]:
     reg = open_registry(str(registry), create=False)
     out = []
-    for view in reg.latest_versions(MODEL):
+    order = {"gguf": 0, "awq": 1, "exl2": 2}
+    views = sorted(reg.latest_versions(MODEL), key=lambda v: (order.get(v.format, 9), -v.size))
+    for view in views:
         quality = next((r for r in view.results if r.kind == "quality" and r.status == "ok"), None)
         speed = next((r for r in view.results if r.kind == "speed" and r.status == "ok"), None)
         row: dict[str, Any] = {"variant": view.variant, "format": view.format, "size_mb": view.size / 1e6,

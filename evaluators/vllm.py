@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_engine, score
 from pipeline import envs
 from pipeline.config import Settings
+from pipeline.cpu import cpu_compute_dtype, cpu_flags
 from pipeline.errors import ConfigError, EngineError, ToolchainMissingError
 from pipeline.plan import EvalSpec
 from pipeline.proc import child_env
@@ -46,32 +47,43 @@ def speed_shape(spec: EvalSpec, accelerator: str) -> dict[str, Any] | None:
     return {**shape, "repeats": s.repeats, "parallel": list(s.parallel), "shape": label}
 
 
+def _config(model: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((model / "config.json").read_text()))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{model} has no readable config.json", hint="evaluate a model folder") from exc
+
+
 def checkpoint_dtype(model: Path) -> str | None:
     """The dtype a model folder's config.json declares (None when it declares none).
 
     Raises:
         ConfigError: no readable config.json.
     """
-    try:
-        cfg = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{model} has no readable config.json", hint="evaluate a model folder") from exc
+    cfg = _config(model)
     return str(cfg.get("dtype") or cfg.get("torch_dtype") or "") or None
 
 
-def model_dtype(model: Path, accelerator: str) -> str:
-    """The dtype to ask vLLM for: ``auto`` on a GPU. On CPU float32 compressed-tensors checkpoints ask for
-    float32; anything else for bfloat16, because vLLM's CPU kernels reject float16 ("Failed to create
-    oneDNN linear") and its AWQ GEMM method rejects float32. The runner then keeps it only if the 4-bit
-    kernel that will serve the model computes in it (evaluators.runners.vllm.choose_dtype: vLLM's native
-    ``cpu_gemm_wna16`` on AVX-512 CPUs has no float32 path), and records both."""
+def model_dtype(model: Path, accelerator: str) -> tuple[str, str | None]:
+    """The dtype to ask vLLM for, and why it is not the checkpoint's own (None when it is).
+
+    ``auto`` on a GPU. On CPU: bfloat16 for AutoAWQ's GEMM layout (vLLM's legacy AWQ method takes only
+    float16/bfloat16 activations, and its CPU float16 linears fail: "Failed to create oneDNN linear");
+    else what this CPU computes fastest without losing precision (pipeline.cpu.cpu_compute_dtype):
+    bfloat16 checkpoints in bfloat16 where the CPU has native bfloat16, everything else in float32. The
+    runner then keeps it only if the 4-bit kernel that will serve the model computes in it
+    (evaluators.runners.vllm.choose_dtype: vLLM's native ``cpu_gemm_wna16`` on AVX-512 CPUs has no float32
+    path), and records the checkpoint's dtype, the request and what ran."""
     if accelerator == "cuda":
-        return "auto"
-    dtype = checkpoint_dtype(model)
-    cfg = json.loads((model / "config.json").read_text())
-    method = str((cfg.get("quantization_config") or {}).get("quant_method", ""))
-    # vLLM's legacy AWQ (GEMM) method accepts only float16/bfloat16 activations.
-    return "float32" if dtype == "float32" and method != "awq" else "bfloat16"
+        return "auto", None
+    own = checkpoint_dtype(model)
+    if str((_config(model).get("quantization_config") or {}).get("quant_method", "")) == "awq":
+        return "bfloat16", None if own == "bfloat16" else "vLLM's AWQ GEMM method computes in float16/bfloat16 only"
+    dtype = cpu_compute_dtype(own)
+    if own == "bfloat16" and dtype != own:
+        flags = cpu_flags() or "unknown"
+        return dtype, f"this CPU has no native bfloat16 (flags: {flags}): float32 is exact and faster"
+    return dtype, None
 
 
 _PROBE = ("import json, torch\nfrom vllm.platforms import current_platform\ncurrent_platform.import_kernels()\n"
@@ -113,11 +125,12 @@ class VLLMEvaluator:
         env = envs.ensure("vllm", settings)
         speed = speed_shape(spec, env.accelerator)
         window = _window_len(windows) if windows is not None else 32
+        dtype, reason = model_dtype(model, env.accelerator)
         longest = max([window] + ([speed["prompt_tokens"] + speed["gen_tokens"],
                                    speed["parallel_prompt_tokens"] + speed["parallel_gen_tokens"]] if speed else []))
         request = {"model": str(model), "windows": str(windows) if quality and windows else None,
                    "ref_topk": str(reference) if reference else None, "top_k": spec.top_k,
-                   "threads": settings.threads, "speed": speed, "dtype": model_dtype(model, env.accelerator),
+                   "threads": settings.threads, "speed": speed, "dtype": dtype, "dtype_reason": reason,
                    "checkpoint_dtype": checkpoint_dtype(model), "wna16_kernel": settings.vllm_cpu_wna16,
                    "max_model_len": longest + 8, "max_num_seqs": max([8, *spec.speed.parallel]),
                    "max_num_batched_tokens": max(8192, longest + 8), "logprob_method": "auto"}

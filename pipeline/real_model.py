@@ -41,7 +41,8 @@ from typing import Any
 
 from pipeline.demo_model import CALIB_TEXT, EVAL_TEXT
 from pipeline.errors import ConfigError, InvalidCheckpointError, ToolchainMissingError
-from pipeline.specs import Frozen
+from pipeline.plan import CalibrationSpec, EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+from pipeline.specs import Frozen, GGUFSpec
 
 PROVENANCE_FILE = "quantyard-real.json"
 BUILDER_VERSION = 1
@@ -347,13 +348,10 @@ REAL_AWQ = {"group_size": 64, "calibration_samples": 32, "calibration_seq_len": 
 
 
 def real_plan(checkpoint: Path, *, windows: int, gguf: str = REAL_GGUF, imatrix_type: str | None = REAL_IMATRIX_GGUF,
-              awq: bool = True, exl2: str | None = "4.0,6.0", speed: Any = None,
-              awq_opts: dict[str, object] | None = None, imatrix_chunks: int = 32) -> Any:
+              awq: bool = True, exl2: str | None = "4.0,6.0", speed: SpeedSpec | None = None,
+              awq_opts: dict[str, object] | None = None, imatrix_chunks: int = 32) -> Plan:
     """The run README's real-model table comes from: ``windows`` windows of 512 tokens scored like
     ``llama-perplexity`` (``score_from`` 257), the GGUF types plus one imatrix type, AWQ, EXL2."""
-    from pipeline.plan import CalibrationSpec, EvalSpec, Plan, SourceInput, variants_from_flags
-    from pipeline.specs import GGUFSpec
-
     variants = list(variants_from_flags(gguf=gguf, awq=awq, awq_opts={**REAL_AWQ, **(awq_opts or {})},
                                         exl2=exl2 or None))
     if imatrix_type:

@@ -136,17 +136,27 @@ def _flags() -> str:
     return cpu_flags() or "unknown"
 
 
-def choose_dtype(requested: str, kernel: dict[str, Any], checkpoint_dtype: str | None) -> dict[str, Any]:
-    """The dtype vLLM computes in: ``requested`` when the kernel supports it, else the kernel's first one.
-    Never silent: the record says what the checkpoint holds, what was asked and why it changed."""
+def choose_dtype(requested: str, kernel: dict[str, Any]) -> str:
+    """The dtype to give vLLM: ``requested`` when the kernel computes in it, else the kernel's first one."""
     supported = kernel.get("dtypes")
-    dtype = requested if not supported or requested in supported else supported[0]
-    out: dict[str, Any] = {"dtype": dtype, "dtype_requested": requested, "checkpoint_dtype": checkpoint_dtype}
-    if dtype != requested:
-        out["dtype_note"] = (f"{checkpoint_dtype or requested} checkpoint evaluated in {dtype}: {kernel['kernel']} "
-                             f"computes in {', '.join(supported or ())} only")
-    elif checkpoint_dtype and dtype not in ("auto", checkpoint_dtype):
-        out["dtype_note"] = f"{checkpoint_dtype} checkpoint evaluated in {dtype}"
+    return requested if not supported or requested in supported else supported[0]
+
+
+def dtype_record(requested: str, kernel: dict[str, Any], checkpoint_dtype: str | None, actual: str,
+                 reason: str | None = None) -> dict[str, Any]:
+    """What the result says about the dtype, never silent: what the checkpoint holds, what was asked (and
+    ``reason``, the evaluator's, when that was not the checkpoint's dtype), what vLLM ran in (``actual``,
+    read back from the engine: ``auto`` resolves there), and a note whenever that is not the checkpoint's
+    dtype, saying why."""
+    out: dict[str, Any] = {"dtype": actual, "dtype_requested": requested, "checkpoint_dtype": checkpoint_dtype}
+    if actual == (checkpoint_dtype or requested):
+        return out
+    if choose_dtype(requested, kernel) != requested:
+        why = f"{kernel['kernel']} computes in {', '.join(kernel.get('dtypes') or ())} only"
+    else:
+        why = reason
+    own = checkpoint_dtype or requested
+    out["dtype_note"] = f"{own} checkpoint evaluated in {actual}" + (f": {why}" if why else "")
     return out
 
 
@@ -211,16 +221,20 @@ def _flat(pl: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 
 def dense_rows(vocab: int, known: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """Rows of log-probs that equal the known values and spread the remaining mass evenly."""
+    """Rows of log-probs that equal the known values and spread the remaining mass evenly.
+
+    vLLM reports float32 log-probs, so the known mass can sum to a hair over 1: the rest is then below what
+    float32 resolves (``len(known) · 2⁻²⁴``), and that much is spread, never zero (a zero would make the KLD of
+    any reference id vLLM did not report infinite). Unknown ids lie outside the reported top-M, so their
+    true mean share never exceeds the M-th probability."""
     rows = np.empty((len(known), vocab), np.float64)
     for i, (ids, lps) in enumerate(known):
         uniq, first = np.unique(ids, return_index=True)
         vals = lps[first]
-        rest = 1.0 - float(np.exp(vals).sum())
         n_unknown = vocab - len(uniq)
-        fill = math.log(rest / n_unknown) if n_unknown > 0 and rest > 0 else -math.inf
-        # Unknown ids lie outside the engine's reported top-M, so this share never exceeds the M-th value.
-        rows[i].fill(fill)
+        if n_unknown > 0:
+            rest = max(1.0 - float(np.exp(vals).sum()), len(uniq) * 2.0**-24)
+            rows[i].fill(math.log(rest / n_unknown))
         rows[i, uniq] = vals
     return rows
 
@@ -355,12 +369,13 @@ def main() -> None:
     out_dir = Path(req["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     kernel = wna16_kernel(str(req.get("wna16_kernel", "auto")))
-    dtype = choose_dtype(str(req.get("dtype", "auto")), kernel, req.get("checkpoint_dtype"))
+    requested = str(req.get("dtype", "auto"))
     with Timer() as start:
-        llm = make_llm(req, dtype["dtype"])
-    dtype["dtype"] = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")  # what vLLM really runs in
+        llm = make_llm(req, choose_dtype(requested, kernel))
+    actual = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     labels = {"wna16_kernel": kernel["name"], "wna16_kernel_id": kernel["kernel"],
-              "native_kernel_available": kernel["native_available"], **dtype}
+              "native_kernel_available": kernel["native_available"],
+              **dtype_record(requested, kernel, req.get("checkpoint_dtype"), actual, req.get("dtype_reason"))}
     result: dict[str, Any] = {"engine": "vllm", "engine_version": engine_version(),
                               "hardware": hardware(req.get("threads")), "engine_start_s": start.s, **labels}
     if req.get("windows"):

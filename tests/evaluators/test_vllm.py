@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evaluators.runners.vllm import DEQUANTIZED, KERNEL_DTYPES, NATIVE, choose_dtype, dense_rows
+from evaluators.runners.vllm import DEQUANTIZED, KERNEL_DTYPES, NATIVE, choose_dtype, dense_rows, dtype_record
 from evaluators.vllm import CPU_CAPS, GPU_SHAPE, VLLMEvaluator, cpu_kernels, speed_shape
 from pipeline import envs
 from pipeline.config import Settings
@@ -177,7 +177,28 @@ def test_dequantized_replacement_runs_float32_on_any_cpu(awq_registry_template: 
 def test_dtype_follows_the_kernel_and_a_cast_is_never_silent(requested: str, kernel: str, dtype: str,
                                                               note: str | None) -> None:
     checkpoint = "float32" if requested == "float32" else "bfloat16"
-    got = choose_dtype(requested, {"kernel": kernel, "dtypes": KERNEL_DTYPES[kernel]}, checkpoint)
+    info = {"kernel": kernel, "dtypes": KERNEL_DTYPES[kernel]}
+    assert choose_dtype(requested, info) == dtype
+    got = dtype_record(requested, info, checkpoint, actual=dtype)
     assert got["dtype"] == dtype and got.get("dtype_note") == note, got
-    legacy = choose_dtype("bfloat16", {"kernel": kernel, "dtypes": KERNEL_DTYPES[kernel]}, "float32")
-    assert legacy["dtype_note"] == "float32 checkpoint evaluated in bfloat16"  # e.g. AutoAWQ's GEMM layout
+    legacy = dtype_record("bfloat16", info, "float32", actual="bfloat16")  # e.g. AutoAWQ's GEMM layout
+    assert legacy["dtype_note"] == "float32 checkpoint evaluated in bfloat16"
+    gpu = dtype_record("auto", {"kernel": "native", "dtypes": None}, "float32", actual="float16")  # auto resolved
+    assert gpu["dtype_note"] == "float32 checkpoint evaluated in float16"
+    # a bfloat16 checkpoint asked for in float32 (no native bfloat16), served by the native kernel in bfloat16:
+    # its own dtype, so nothing to note
+    back = dtype_record("float32", {"kernel": NATIVE, "dtypes": KERNEL_DTYPES[NATIVE]}, "bfloat16", actual="bfloat16")
+    assert "dtype_note" not in back
+    up = dtype_record("float32", {"kernel": DEQUANTIZED, "dtypes": KERNEL_DTYPES[DEQUANTIZED]}, "bfloat16",
+                      actual="float32", reason="no native bfloat16")
+    assert up["dtype_note"] == "bfloat16 checkpoint evaluated in float32: no native bfloat16"
+
+
+def test_dense_rows_never_give_zero_mass_to_an_unreported_id() -> None:
+    """float32 log-probs of the top-M can sum to a hair over 1; an id vLLM did not report still gets a
+    finite share (else one such reference id makes a whole run's KLD infinite, as seen on SmolLM2)."""
+    vocab = 1000
+    top = np.arange(256)
+    lps = np.full(256, np.log(1.0 / 255.9999))  # exp-sum 1.0000004 > 1
+    (row,) = dense_rows(vocab, [(top, lps)])
+    assert np.isfinite(row).all() and row[500] < np.log(1e-7)  # finite, and far below any reported id
