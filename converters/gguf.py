@@ -154,9 +154,9 @@ class GGUFConverter:
         if not (base.is_file() and (folder / "ok").is_file()):
             folder.mkdir(parents=True, exist_ok=True)
             self._convert(ctx, base_type, base)
-            info = inspect_gguf(base)
-            (folder / "ok").write_text(json.dumps(info))
+            (folder / "ok").write_text(json.dumps(inspect_gguf(base)))
             prepared.events.append("convert_base")
+        prepared.meta["base_info"] = _base_info(folder / "ok", base)
         if any(getattr(s, "imatrix", False) for s in specs):
             self._prepare_imatrix(ctx, prepared, base, base_type)
         return prepared
@@ -210,13 +210,16 @@ class GGUFConverter:
         if spec.imatrix and "imatrix" not in prepared.paths:
             raise ConfigError(f"{spec.name} is an imatrix quant but no importance matrix was prepared",
                               hint="prepare the format with the imatrix variants in its spec list")
-        base_info = inspect_gguf(base)
+        # gguf-py parses a 49k-entry vocabulary in about 4 s: the base was read once when it was made, the
+        # output is read once (twice only when split, its parts then being other files)
+        base_info = prepared.meta.get("base_info") or inspect_gguf(base)
         if spec.type == base_type and not spec.imatrix:
             shutil.copyfile(base, out)  # the base is this variant; the blob store dedups identical bytes
         else:
             self._quantize(ctx, base, out, spec, prepared)
             events.append("quantize")
-        _check_output(out, inspect_gguf(out), spec, base_info)
+        info = inspect_gguf(out)
+        _check_output(out, info, spec, base_info)
         parity = check_parity(out, ctx.checkpoint.path, python=self.python, env=tool_env(), log_dir=out_dir,
                               timeout_s=ctx.settings.convert_timeout_s, allow=self.options.allow_tokenizer_mismatch,
                               texts=ctx.texts, keep=failure_log_dir(ctx.settings.logs_root))
@@ -225,8 +228,8 @@ class GGUFConverter:
             parts = split_gguf(out, self.options.split_max_size, bin_dir=llama_cpp_bin_dir(), env=tool_env(),
                                timeout_s=ctx.settings.convert_timeout_s, keep=failure_log_dir(ctx.settings.logs_root))
             events.append("split")
-        info = inspect_parts(parts)
-        _check_output(parts[0], info, spec, base_info)
+            info = inspect_parts(parts)
+            _check_output(parts[0], info, spec, base_info)
         params: dict[str, Any] = {
             "type": spec.type, "base_type": base_type,
             "imatrix": prepared.meta.get("imatrix") if spec.imatrix else None,
@@ -278,6 +281,17 @@ def _conversion_error(stderr: str, how: str, log: Path | None, ckpt: Checkpoint)
 def inspect_gguf(path: Path) -> dict[str, Any]:
     """Architecture, file type, tensor count and parameter count of a GGUF file (via gguf-py)."""
     return inspect_parts([path])
+
+
+def _base_info(record: Path, base: Path) -> dict[str, Any]:
+    """The base's inspection, as recorded beside it when it was converted (read again if the record is not one)."""
+    try:
+        info = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        info = None
+    if isinstance(info, dict) and info.get("size") == base.stat().st_size and "tensor_count" in info:
+        return info
+    return inspect_gguf(base)
 
 
 def _check_output(path: Path, info: dict[str, Any], spec: GGUFSpec, base: dict[str, Any]) -> None:
