@@ -51,7 +51,7 @@ demo: $(STAMP)
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
 
 lint: setup
 	$(BIN)/ruff check .
