@@ -149,13 +149,13 @@ def dtype_record(requested: str, kernel: dict[str, Any], checkpoint_dtype: str |
     read back from the engine: ``auto`` resolves there), and a note whenever that is not the checkpoint's
     dtype, saying why."""
     out: dict[str, Any] = {"dtype": actual, "dtype_requested": requested, "checkpoint_dtype": checkpoint_dtype}
-    if actual == (checkpoint_dtype or requested):
+    own = checkpoint_dtype or requested
+    if actual == own:
         return out
     if choose_dtype(requested, kernel) != requested:
         why = f"{kernel['kernel']} computes in {', '.join(kernel.get('dtypes') or ())} only"
     else:
         why = reason
-    own = checkpoint_dtype or requested
     out["dtype_note"] = f"{own} checkpoint evaluated in {actual}" + (f": {why}" if why else "")
     return out
 
