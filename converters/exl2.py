@@ -190,7 +190,7 @@ class EXL2Converter:
         """One worker run: optionally measure, then write a folder per spec under ``folder/variants``."""
         result = folder / f"result-{name}.json"
         result.unlink(missing_ok=True)
-        jobs = []
+        jobs: list[dict[str, Any]] = []
         for spec in specs:
             vdir = folder / "variants" / spec.name
             shutil.rmtree(vdir, ignore_errors=True)
@@ -320,9 +320,11 @@ def _failed(res: ProcResult, what: str, folder: Path) -> Exception:
                            hint=f"full log: {res.log}; re-running resumes from the work folder {folder}")
 
 
-def inspect_exl2(folder: Path, ckpt: Checkpoint) -> dict[str, Any]:
+def inspect_exl2(folder: Path, ckpt: Checkpoint | None = None) -> dict[str, Any]:
     """Check an EXL2 folder's layout (every layer's groups against its tensor shapes, from headers and
     the small index tensors) and size it: bits per weight of the whole file and of the decoder layers.
+    Without the source checkpoint ``ckpt``, shapes come from the folder alone and the whole-file ``bpw``
+    is None.
 
     Raises ConversionError when the folder is not a consistent EXL2 model.
     """
@@ -343,7 +345,7 @@ def inspect_exl2(folder: Path, ckpt: Checkpoint) -> dict[str, Any]:
             path, qw = headers[f"{name}.q_weight"]
             with safe_open(str(path), framework="pt") as fh:
                 groups = decode_groups(fh.get_tensor(f"{name}.q_groups"), headers[f"{name}.q_invperm"][1].shape[0])
-            source = ckpt.tensors.get(f"{name}.weight")
+            source = ckpt.tensors.get(f"{name}.weight") if ckpt is not None else None
             out_f, in_f = (source.shape if source else (qw.shape[1], headers[f"{name}.q_invperm"][1].shape[0]))
             bias = f"{name}.bias" in headers
             bits = storage_bits(groups, in_f, out_f, bias)
@@ -360,7 +362,7 @@ def inspect_exl2(folder: Path, ckpt: Checkpoint) -> dict[str, Any]:
     decoder = {n: v for n, v in layers.items() if n != head}
     dec_numel = sum(v["numel"] for v in decoder.values()) or 1
     return {"size": total_bits // 8, "tensor_count": len(headers), "quantized_layers": len(layers),
-            "bpw": round(total_bits / ckpt.n_params, 4) if ckpt.n_params else None,
+            "bpw": round(total_bits / ckpt.n_params, 4) if ckpt is not None and ckpt.n_params else None,
             "decoder_bpw": sum(v["bits"] for v in decoder.values()) / dec_numel,
             "decoder_bpw_on_disk": sum(v["on_disk_bits"] for v in decoder.values()) / dec_numel,
             "head_bpw": (layers[head]["bits"] / layers[head]["numel"]) if head else None,

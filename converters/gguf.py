@@ -24,7 +24,6 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,26 +42,11 @@ from pipeline.errors import (
     ToolchainMissingError,
     UnsupportedArchitectureError,
 )
+from pipeline.plan import GGUFOptions
 from pipeline.proc import child_env, failure_log_dir, run_logged, with_path_prefix
 from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, QuantFormat
 
 WORKER = "converters.workers.llama_quantize"
-
-
-@dataclass(frozen=True)
-class GGUFOptions:
-    """How GGUF variants are made, beyond their type.
-
-    ``base_type``: auto | F16 | BF16 | F32 (auto: BF16 for bf16 sources, else F16).
-    ``split_max_size``: split every variant into parts of at most this size (``2G``); None: one file.
-    ``allow_tokenizer_mismatch``: register variants whose tokenization differs from the HF tokenizer
-    (recorded in lineage) instead of failing them. ``imatrix``: the calibration for ``i1-`` variants.
-    """
-
-    base_type: str = "auto"
-    split_max_size: str | None = None
-    allow_tokenizer_mismatch: bool = False
-    imatrix: ImatrixRequest | None = None
 
 
 def load_toolchain(tools_dir: Path) -> dict[str, Any]:
@@ -101,11 +85,14 @@ def choose_base_type(ckpt: Checkpoint, requested: str = "auto") -> str:
 class GGUFConverter:
     format: ClassVar[QuantFormat] = QuantFormat.GGUF
 
-    def __init__(self, tools_dir: Path, python: str = sys.executable, base_type: str = "auto",
-                 options: GGUFOptions | None = None) -> None:
+    def __init__(self, tools_dir: Path, python: str = sys.executable, options: GGUFOptions | None = None,
+                 imatrix: ImatrixRequest | None = None) -> None:
+        """``options``: the plan's GGUF options (base type, split size, tokenizer override); ``imatrix``: the
+        calibration of ``i1-`` variants (None when the run has none)."""
         self.tools_dir = tools_dir
         self.python = python
-        self.options = options if options is not None else GGUFOptions(base_type=base_type)
+        self.options = options if options is not None else GGUFOptions()
+        self.imatrix = imatrix
         self.base_type = self.options.base_type
 
     # -- identity and checks ---------------------------------------------------------------------
@@ -163,20 +150,20 @@ class GGUFConverter:
 
     def imatrix_key(self, base_type: str) -> str:
         """Key of the importance matrix this converter's calibration gives (with the source)."""
-        if self.options.imatrix is None:
+        if self.imatrix is None:
             raise ConfigError("imatrix quants were requested but no calibration text was given",
                               hint="pass --imatrix (the default calibration text is used without --calibration)")
-        return self.options.imatrix.key(base_type, self.tool_identity())
+        return self.imatrix.key(base_type, self.tool_identity())
 
     def _prepare_imatrix(self, ctx: BuildContext, prepared: Prepared, base: Path, base_type: str) -> None:
         key = self.imatrix_key(base_type)
-        assert self.options.imatrix is not None
-        path, meta, computed = ensure_imatrix(base, base.parent, self.options.imatrix, key,
+        assert self.imatrix is not None
+        path, meta, computed = ensure_imatrix(base, base.parent, self.imatrix, key,
                                               bin_dir=llama_cpp_bin_dir(), env=tool_env(),
                                               threads=ctx.settings.threads, timeout_s=ctx.settings.convert_timeout_s,
                                               python=self.python, keep=failure_log_dir(ctx.settings.logs_root))
         prepared.paths["imatrix"] = str(path)
-        prepared.paths["calibration"] = str(self.options.imatrix.calibration)
+        prepared.paths["calibration"] = str(self.imatrix.calibration)
         prepared.meta["imatrix"] = meta
         if computed:
             prepared.events.append("imatrix")

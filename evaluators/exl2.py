@@ -13,9 +13,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, run_engine, score, speed_request
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_engine, score, speed_request
 from pipeline import exl2_env
 from pipeline.config import Settings
 from pipeline.plan import EvalSpec
@@ -31,6 +31,16 @@ class EXL2ReferenceEvaluator:
 
     def unavailable_reason(self, settings: Settings) -> str | None:
         return None  # torch and transformers are part of the core environment
+
+    def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
+        """Dequantize every layer of the EXL2 folder ``model`` with the codec and score one short window
+        (validate's loadability check). Raises EngineError when the folder does not load."""
+        cmd = RunnerCommand(engine=self.engine, python=settings.core_python, module=HF_RUNNER)
+        request = {"model": str(model), "windows": str(probe_windows(out_dir.parent)), "ref_topk": None, "top_k": 4,
+                   "threads": settings.threads, "dtype": "float32", "device": "cpu", "loader": "exl2"}
+        out = run_engine(cmd, request, out_dir, settings, timeout_s=600)
+        return {"engine": self.engine.value, "engine_version": f"quantyard exl2 codec; {out.result['engine_version']}",
+                "load_and_eval_s": round(out.wall_s, 2)}
 
     def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
                  out_dir: Path, settings: Settings) -> EvalOutcome:
@@ -52,6 +62,19 @@ class ExLlamaV2Evaluator:
 
     def unavailable_reason(self, settings: Settings) -> str | None:
         return exl2_env.unavailable_reason(settings)
+
+    def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
+        """Load the EXL2 folder ``model`` in ExLlamaV2 on CUDA and score one short window.
+
+        Raises ToolchainMissingError when ExLlamaV2 cannot run here, EngineError when the folder does not load.
+        """
+        rt = exl2_env.require(settings)
+        cmd = RunnerCommand(engine=self.engine, python=rt.python, module=EXLLAMAV2_RUNNER)
+        request = {"model": str(model), "windows": str(probe_windows(out_dir.parent)), "ref_topk": None, "top_k": 4,
+                   "threads": settings.threads, "speed": None}
+        out = run_engine(cmd, request, out_dir, settings, timeout_s=600)
+        return {"engine": self.engine.value, "engine_version": out.result["engine_version"],
+                "load_and_eval_s": round(out.wall_s, 2)}
 
     def evaluate(self, model: Path, *, windows: Path, window_set_id: str, reference: Path, spec: EvalSpec,
                  out_dir: Path, settings: Settings) -> EvalOutcome:

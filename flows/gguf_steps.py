@@ -13,17 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from converters.base import Prepared
-from converters.gguf import GGUFOptions, ImatrixRequest, choose_base_type
+from converters.gguf import ImatrixRequest, choose_base_type
 from flows.steps import Resolved, calibration_text, make_converter
 from pipeline.config import Settings
-from pipeline.plan import Plan
+from pipeline.errors import NotFoundError
+from pipeline.plan import GGUFOptions, Plan
 from pipeline.specs import QuantFormat
 from registry import open_registry
-
-
-def options(plan: Plan, imatrix: ImatrixRequest | None = None) -> GGUFOptions:
-    return GGUFOptions(base_type=plan.gguf_base_type, split_max_size=plan.gguf_split_max_size,
-                       allow_tokenizer_mismatch=plan.allow_tokenizer_mismatch, imatrix=imatrix)
 
 
 def calibration_file(plan: Plan, resolved: Resolved, settings: Settings) -> tuple[Path, str]:
@@ -31,7 +27,7 @@ def calibration_file(plan: Plan, resolved: Resolved, settings: Settings) -> tupl
 
     Raises ConfigError when ``--calibration FILE`` does not exist.
     """
-    text, origin = calibration_text(resolved, plan.calibration.file)
+    text, origin = calibration_text(resolved, plan.gguf.calibration.file)
     data = text.encode("utf-8")
     digest = hashlib.sha256(data).hexdigest()
     path = settings.work_root / "calibration" / f"{digest}.txt"
@@ -49,14 +45,14 @@ def build_inputs(plan: Plan, resolved: Resolved, spec: Any, settings: Settings) 
     if spec.format != QuantFormat.GGUF:
         return {}
     out: dict[str, Any] = {}
-    if plan.gguf_base_type != "auto":
-        out["base_type"] = plan.gguf_base_type
-    if plan.gguf_split_max_size:
-        out["split_max_size"] = plan.gguf_split_max_size
+    if plan.gguf.base_type != "auto":
+        out["base_type"] = plan.gguf.base_type
+    if plan.gguf.split_max_size:
+        out["split_max_size"] = plan.gguf.split_max_size
     if spec.imatrix:
         path, _ = calibration_file(plan, resolved, settings)
-        out["imatrix"] = {"calibration_sha256": path.stem, "chunks": plan.calibration.chunks,
-                          "context": plan.calibration.context}
+        out["imatrix"] = {"calibration_sha256": path.stem, "chunks": plan.gguf.calibration.chunks,
+                          "context": plan.gguf.calibration.context}
     return out
 
 
@@ -64,9 +60,9 @@ def imatrix_request(plan: Plan, resolved: Resolved, settings: Settings) -> Imatr
     """The calibration for this run; points at the registry's copy of the imatrix when one exists, so
     a cleaned work dir costs no recomputation."""
     path, origin = calibration_file(plan, resolved, settings)
-    request = ImatrixRequest(calibration=path, origin=origin, chunks=plan.calibration.chunks,
-                             context=plan.calibration.context)
-    base_type = choose_base_type(resolved.checkpoint, plan.gguf_base_type)
+    request = ImatrixRequest(calibration=path, origin=origin, chunks=plan.gguf.calibration.chunks,
+                             context=plan.gguf.calibration.context)
+    base_type = choose_base_type(resolved.checkpoint, plan.gguf.base_type)
     key = make_converter("gguf", plan, settings, imatrix=request).imatrix_key(base_type)
     reg = open_registry(settings)
     found = reg.find_source_artifact(resolved.source, "imatrix", key)
@@ -88,3 +84,30 @@ def register_imatrix(settings: Settings, resolved: Resolved, prepared: Prepared,
     reg.put_source_artifact(**common, kind="imatrix", key=meta["key"],
                             name=f"{stem}-imatrix-{meta['key'][:12]}.gguf", path=Path(prepared.paths["imatrix"]),
                             meta={**meta, "base_type": prepared.meta["base_type"]})
+
+
+def recorded_options(lineage: dict[str, Any], resolved: Resolved, settings: Settings, work: Path) -> GGUFOptions:
+    """The GGUF options a registered variant was built with, for rebuilding it: ``lineage["options"]``
+    (versions registered before it was recorded: what ``lineage["parameters"]`` shows). The imatrix
+    calibration text is the registry's copy (by its sha256), so a rebuild needs no file of the first machine.
+
+    Raises NotFoundError when the calibration text is no longer in the registry.
+    """
+    params = lineage.get("parameters") or {}
+    options = dict(lineage.get("options") or {})
+    if not options:
+        split = params.get("split") or {}
+        options = {"base_type": params.get("base_type", "auto"), "split_max_size": split.get("max_size")}
+    imatrix = params.get("imatrix")
+    if imatrix:
+        digest = imatrix["calibration_sha256"]
+        art = open_registry(settings).find_source_artifact(resolved.source, "calibration", digest)
+        if art is None:
+            raise NotFoundError(f"the imatrix calibration text (sha256 {digest[:16]}…) recorded in the lineage "
+                                    "is not in the registry", hint="register the variant again to store it")
+        text = work / f"calibration-{digest[:16]}.txt"
+        text.write_bytes(open_registry(settings).artifact_path(art).read_bytes())
+        calibration = {**(options.get("calibration") or {}), "file": str(text), "chunks": imatrix.get(
+            "chunks_requested"), "context": imatrix.get("context", 512)}
+        options["calibration"] = calibration
+    return GGUFOptions.model_validate(options)

@@ -22,7 +22,7 @@ from prefect.cache_policies import NONE
 
 from evaluators import CROSS_CHECK_ENGINE, DEFAULT_ENGINE
 from flows.ledger import StageRecord, find_stage, pin_source, stage_key
-from flows.stages import STAGE_FLOWS, StageRequest, deployment_name
+from flows.stages import STAGE_FLOWS, StageName, StageRequest, deployment_name
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, NotFoundError, QuantyardError, StageError
 from pipeline.plan import Plan
@@ -57,15 +57,13 @@ def _prepare_spec(fmt: str, plan: Plan, specs: list[Any]) -> dict[str, Any]:
     variant needs one (adding a type reuses the base). Other formats: every variant of the format."""
     if fmt == "gguf":
         imatrix = any(getattr(s, "imatrix", False) for s in specs)
-        return {"base_type": plan.gguf_base_type,
-                "imatrix": plan.calibration.model_dump(mode="json") if imatrix else None}
+        return {"base_type": plan.gguf.base_type,
+                "imatrix": plan.gguf.calibration.model_dump(mode="json") if imatrix else None}
     return {"specs": [s.model_dump(mode="json") for s in specs]}
 
 
 def _build_spec(fmt: str, plan: Plan, spec: Any) -> dict[str, Any]:
-    opts = plan.model_dump(mode="json", include={"gguf_base_type", "gguf_split_max_size", "calibration",
-                                                 "allow_tokenizer_mismatch"}) if fmt == "gguf" else {}
-    return {"spec": spec.model_dump(mode="json"), "options": opts}
+    return {"spec": spec.model_dump(mode="json"), "options": plan.build_options(fmt)}
 
 
 def _eval_spec(plan: Plan) -> dict[str, Any]:
@@ -88,7 +86,7 @@ def build_graph(plan: Plan, identity: str, placement: Placement, target: dict[st
     ``nonce`` (``--force``) makes build, register and evaluation keys unique to this run."""
     graph = Graph(identity)
 
-    def request(stage: str, name: str, spec: dict[str, Any], tools: list[str], pool: str, sub: Plan,
+    def request(stage: StageName, name: str, spec: dict[str, Any], tools: list[str], pool: str, sub: Plan,
                 upstream: dict[str, str], **kw: Any) -> StageRequest:
         key = stage_key(identity, stage, {**spec, "nonce": nonce} if nonce and stage in
                         ("build", "register", "evaluate") else spec, tools)
@@ -172,6 +170,7 @@ def _dispatch(request: StageRequest, dispatch: Dispatch, timeout_s: float) -> tu
         except QuantyardError as exc:
             return False, {"error": exc.summary()}
         return True, {"work_pool": None}
+    from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
 
@@ -182,6 +181,9 @@ def _dispatch(request: StageRequest, dispatch: Dispatch, timeout_s: float) -> tu
     except ObjectNotFound:
         raise ConfigError(f"the Prefect server has no deployment {name}",
                           hint="run `quantyard deploy` against this server (PREFECT_API_URL) first") from None
+    # run_deployment is typed FlowRun | Coroutine (it dispatches on the caller's context); in this sync task
+    # it runs synchronously and returns the FlowRun.
+    assert isinstance(run, FlowRun), f"run_deployment returned {type(run).__name__} in a sync task"
     facts = {"flow_run_id": str(run.id), "work_pool": run.work_pool_name, "state": run.state_name}
     if run.state is None or not run.state.is_completed():
         facts["error"] = f"flow run {run.name} ended {run.state_name}: {run.state.message if run.state else ''}"

@@ -76,7 +76,7 @@ def _build_all(plan: Plan, settings: Settings, resolved: steps.Resolved, report:
                     with _timed(report, "build"), stage("build", spec.name):
                         built = build_task(fmt, plan, resolved, prepared, spec, settings, staging)
                     with _timed(report, "register"), stage("register", spec.name):
-                        view = register_task(settings, resolved, spec, built, key, plan.force)
+                        view = register_task(settings, plan, resolved, spec, built, key)
                 except DiskFullError:
                     raise  # no later variant can succeed either: stop with the clear error
                 except QuantyardError as exc:
@@ -142,6 +142,7 @@ def _cross_check(plan: Plan, settings: Settings, report: ConvertReport, out: Var
     from evaluators import CROSS_CHECK_ENGINE, get_evaluator
     from registry import open_registry
 
+    assert out.ref is not None
     engine = CROSS_CHECK_ENGINE.get(out.format)
     if engine is None or not plan.eval.cross_check:
         return

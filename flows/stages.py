@@ -233,7 +233,7 @@ def _build_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | Non
         for name, path in built.files.items():
             blob = ctx.reg.blobs.put_file(path)
             files[name] = {"sha256": blob.sha256, "size": blob.size}
-    outputs = {"build_key": key, "files": files, "lineage": steps.lineage(resolved, spec, built, key),
+    outputs = {"build_key": key, "files": files, "lineage": steps.lineage(plan, resolved, spec, built, key),
                "events": list(built.events), "info": built.info, **concrete}
     return outputs, who
 

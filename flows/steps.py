@@ -79,10 +79,7 @@ def hub_options(settings: Settings) -> HubOptions:
 def make_converter(fmt: str, plan: Plan, settings: Settings, imatrix: Any = None) -> Any:
     cls = converter_class(fmt)
     if fmt == "gguf":
-        from flows import gguf_steps
-
-        return cls(settings.llama_cpp_tools_dir, python=settings.core_python,
-                   options=gguf_steps.options(plan, imatrix))
+        return cls(settings.llama_cpp_tools_dir, python=settings.core_python, options=plan.gguf, imatrix=imatrix)
     return cls(settings)
 
 
@@ -142,7 +139,7 @@ def run_texts(plan: Plan, resolved: Resolved) -> dict[str, str]:
     if plan.eval.enabled:
         text, origin = eval_text(plan.eval, resolved)
         texts[origin] = text
-    text, origin = calibration_text(resolved, plan.calibration.file)
+    text, origin = calibration_text(resolved, plan.gguf.calibration.file)
     texts.setdefault(origin, text)
     return texts
 
@@ -180,7 +177,8 @@ def build_variant(fmt: str, plan: Plan, resolved: Resolved, prepared: Prepared, 
     return make_converter(fmt, plan, settings).build(ctx, prepared, spec, staging / spec.name)
 
 
-def lineage(resolved: Resolved, spec: Any, built: BuiltVariant, key: str) -> dict[str, Any]:
+def lineage(plan: Plan, resolved: Resolved, spec: Any, built: BuiltVariant, key: str) -> dict[str, Any]:
+    """What a version was built from and how: enough to rebuild it (``validate --reproduce``)."""
     src = resolved.source
     return {
         "source": {"identity": src.identity, "kind": src.kind.value, "repo_id": src.repo_id,
@@ -189,6 +187,7 @@ def lineage(resolved: Resolved, spec: Any, built: BuiltVariant, key: str) -> dic
                    "torch_dtype": resolved.checkpoint.torch_dtype},
         "spec": spec.model_dump(mode="json"),
         "spec_digest": spec_digest(spec),
+        "options": plan.build_options(spec.format.value),
         "tool": built.tool,
         "parameters": built.parameters,
         "info": built.info,
@@ -199,13 +198,13 @@ def lineage(resolved: Resolved, spec: Any, built: BuiltVariant, key: str) -> dic
     }
 
 
-def register(settings: Settings, resolved: Resolved, spec: Any, built: BuiltVariant, key: str,
-             force: bool) -> VersionView:
+def register(settings: Settings, plan: Plan, resolved: Resolved, spec: Any, built: BuiltVariant,
+             key: str) -> VersionView:
     reg = open_registry(settings)
     return reg.register_version(RegisterRequest(
         model=resolved.model_name, architecture=resolved.architecture, source=resolved.source,
         variant=spec.name, format=spec.format.value, spec=spec.model_dump(mode="json"), build_key=key,
-        lineage=lineage(resolved, spec, built, key), files=built.files, force=force))
+        lineage=lineage(plan, resolved, spec, built, key), files=built.files, force=plan.force))
 
 
 # --- evaluation ---------------------------------------------------------------------------------

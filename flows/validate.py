@@ -13,12 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from converters.exl2 import inspect_exl2
 from converters.sanity import awq_sanity, gguf_sanity, gguf_structure
-from flows import steps
+from flows import gguf_steps, steps
 from pipeline.checks import CheckFailed, CheckSkipped, ValidationReport
 from pipeline.config import Settings
-from pipeline.errors import InvalidArtifactError, InvalidSpecError, QuantyardError, TokenizerMismatchError
-from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec
+from pipeline.errors import (
+    ConversionError,
+    InvalidArtifactError,
+    InvalidSpecError,
+    NotFoundError,
+    QuantyardError,
+    TokenizerMismatchError,
+)
+from pipeline.plan import EvalSpec, GGUFOptions, Plan, SourceInput, SpeedSpec
 from pipeline.policy import Policy, quant_class
 from pipeline.specs import GGUFType, Ref, VersionState
 from registry import open_registry
@@ -162,8 +170,12 @@ def check_format(target: Target) -> tuple[str, dict[str, Any]]:
         if target.fmt == "awq":
             summary = awq_sanity(target.model_path)
             return f"AWQ {summary['quant_method']}, {summary['tensors']} tensors", summary
+        if target.fmt == "exl2":
+            summary = inspect_exl2(target.model_path)
+            return (f"EXL2 {summary['quantized_layers']} quantized layers, {summary['tensor_count']} tensors, "
+                    f"decoder {summary['decoder_bpw']:.3f} bpw"), summary
         raise CheckSkipped(f"no format checker for {target.fmt} yet")
-    except InvalidArtifactError as exc:
+    except (InvalidArtifactError, ConversionError) as exc:
         raise CheckFailed(exc.message, hint=exc.hint or "") from exc
 
 
@@ -189,6 +201,7 @@ def check_loadability(target: Target, settings: Settings, work: Path) -> tuple[s
         raise CheckFailed(f"{evaluator.engine.value} could not load it: {exc.message}",
                           stderr_tail=getattr(exc, "stderr_tail", "")[-1500:]) from exc
     target.notes["fallback"] = fallback
+    target.notes["engine"] = evaluator.engine.value  # results of this engine are reused by the quality check
     msg = f"loads in {evaluator.engine.value} ({info.get('engine_version')})"
     return (msg + f" — fallback: {fallback}" if fallback else msg), {**info, "fallback": fallback}
 
@@ -313,23 +326,25 @@ def _median(x: Any) -> float | None:
 
 
 def check_reproducibility(target: Target, settings: Settings, work: Path) -> tuple[str, dict[str, Any]]:
+    """Rebuild the version from its lineage (source, spec and the options it was built with) in an empty
+    work dir, and compare the files bit for bit."""
     if target.version is None:
         raise CheckSkipped("reproducibility needs a registry version with recorded lineage")
-    lineage = target.version.lineage
-    fmt = target.fmt
-    plan = Plan(source=SourceInput(source=target.source_text or ""), variants=(), eval=EvalSpec())
-    converter = steps.make_converter(fmt, plan, settings)
-    if converter.tool_identity() != lineage.get("tool"):
-        raise CheckSkipped(f"the installed toolchain differs from the one recorded: {converter.tool_identity()} vs "
-                           f"{lineage.get('tool')}")
-    resolved = _source_for(target, settings)
-    if resolved.source.identity != lineage["source"]["identity"]:
-        raise CheckSkipped(f"source {resolved.source.identity} is not the recorded {lineage['source']['identity']}")
     from pydantic import TypeAdapter
 
     from pipeline.specs import VariantSpec
 
+    lineage = target.version.lineage
+    fmt = target.fmt
     spec = TypeAdapter(VariantSpec).validate_python(lineage["spec"])
+    resolved = _source_for(target, settings)
+    if resolved.source.identity != lineage["source"]["identity"]:
+        raise CheckSkipped(f"source {resolved.source.identity} is not the recorded {lineage['source']['identity']}")
+    plan = rebuild_plan(target, resolved, spec, settings, work)
+    converter = steps.make_converter(fmt, plan, settings)
+    if converter.tool_identity() != lineage.get("tool"):
+        raise CheckSkipped(f"the installed toolchain differs from the one recorded: {converter.tool_identity()} vs "
+                           f"{lineage.get('tool')}")
     resolved.model_name = target.version.model
     fresh = settings.model_copy(update={"work_dir": work / "rebuild-work"})  # no cached base: rebuild from scratch
     prepared = steps.prepare_format(fmt, plan, resolved, [spec], fresh)
@@ -341,6 +356,19 @@ def check_reproducibility(target: Target, settings: Settings, work: Path) -> tup
                 if recorded.get(n) != rebuilt.get(n)}
         raise CheckFailed(f"rebuild differs from the registered files: {sorted(diff)}", differences=diff)
     return f"rebuilt {len(rebuilt)} file(s) bit for bit", {"sha256": rebuilt, "events": prepared.events + built.events}
+
+
+def rebuild_plan(target: Target, resolved: steps.Resolved, spec: Any, settings: Settings, work: Path) -> Plan:
+    """The plan that builds ``spec`` exactly as the version was built: its format's options from the lineage."""
+    assert target.version is not None
+    lineage = target.version.lineage
+    gguf = GGUFOptions()
+    if target.fmt == "gguf":
+        try:
+            gguf = gguf_steps.recorded_options(lineage, resolved, settings, work)
+        except NotFoundError as exc:
+            raise CheckSkipped(exc.message) from exc
+    return Plan(source=SourceInput(source=target.source_text or ""), variants=(spec,), eval=EvalSpec(), gguf=gguf)
 
 
 # --- entry point ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -22,6 +23,7 @@ from pipeline.specs import (
     EXL2Spec,
     Frozen,
     GGUFSpec,
+    QuantFormat,
     VariantSpec,
     parse_gguf_type,
 )
@@ -88,27 +90,64 @@ class CalibrationSpec(Frozen):
     context: int = Field(default=512, ge=32)
 
 
+class GGUFOptions(Frozen):
+    """How a plan's GGUF variants are made beyond their type. Recorded in every GGUF variant's lineage
+    (``lineage["options"]``), so that ``validate --reproduce`` rebuilds with exactly these.
+
+    ``base_type``: auto | F16 | BF16 | F32 (auto: BF16 for bf16 sources, else F16).
+    ``split_max_size``: split every variant into parts of at most this size (``2G``); None: one file.
+    ``calibration``: the importance-matrix calibration of ``i1-`` variants.
+    ``allow_tokenizer_mismatch``: register variants whose tokenization differs from the HF tokenizer
+    (recorded in lineage) instead of failing them.
+    """
+
+    base_type: str = "auto"
+    split_max_size: str | None = Field(default=None, pattern=SPLIT_SIZE_PATTERN)
+    calibration: CalibrationSpec = CalibrationSpec()
+    allow_tokenizer_mismatch: bool = False
+
+    @field_validator("base_type")
+    @classmethod
+    def _base_type(cls, value: str) -> str:
+        return parse_gguf_base(value)
+
+
+#: Plan keys of earlier releases (flat GGUF options), still accepted in recipes and flow parameters.
+_LEGACY_GGUF_KEYS = {"gguf_base_type": "base_type", "gguf_split_max_size": "split_max_size",
+                     "calibration": "calibration", "allow_tokenizer_mismatch": "allow_tokenizer_mismatch"}
+
+
 class Plan(Frozen):
     source: SourceInput
     model_name: str | None = None
     variants: tuple[VariantSpec, ...]
     eval: EvalSpec = EvalSpec()
     force: bool = False
-    gguf_base_type: str = "auto"  # auto | F16 | BF16 | F32
-    gguf_split_max_size: str | None = Field(default=None, pattern=SPLIT_SIZE_PATTERN)
-    calibration: CalibrationSpec = CalibrationSpec()
-    allow_tokenizer_mismatch: bool = False
+    gguf: GGUFOptions = GGUFOptions()
 
-    @field_validator("gguf_base_type")
+    @model_validator(mode="before")
     @classmethod
-    def _base_type(cls, value: str) -> str:
-        return parse_gguf_base(value)
+    def _legacy_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not any(k in data for k in _LEGACY_GGUF_KEYS):
+            return data
+        data = dict(data)
+        gguf = dict(data.pop("gguf", None) or {})
+        for old, new in _LEGACY_GGUF_KEYS.items():
+            if old in data:
+                gguf.setdefault(new, data.pop(old))
+        data["gguf"] = gguf
+        return data
 
     def by_format(self) -> dict[str, list[VariantSpec]]:
         out: dict[str, list[VariantSpec]] = {}
         for spec in self.variants:
             out.setdefault(spec.format.value, []).append(spec)
         return out
+
+    def build_options(self, fmt: str) -> dict[str, Any]:
+        """The plan-level options of ``fmt`` that shape its variants (recorded in their lineage); a format
+        whose options all live in its variant specs has none."""
+        return self.gguf.model_dump(mode="json") if fmt == QuantFormat.GGUF else {}
 
 
 def parse_gguf_base(text: str) -> str:

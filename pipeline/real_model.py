@@ -41,7 +41,7 @@ from typing import Any
 
 from pipeline.demo_model import CALIB_TEXT, EVAL_TEXT
 from pipeline.errors import ConfigError, InvalidCheckpointError, ToolchainMissingError
-from pipeline.plan import CalibrationSpec, EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+from pipeline.plan import CalibrationSpec, EvalSpec, GGUFOptions, Plan, SourceInput, SpeedSpec, variants_from_flags
 from pipeline.specs import Frozen, GGUFSpec
 
 PROVENANCE_FILE = "quantyard-real.json"
@@ -356,6 +356,7 @@ def real_plan(checkpoint: Path, *, windows: int, gguf: str = REAL_GGUF, imatrix_
                                         exl2=exl2 or None))
     if imatrix_type:
         variants.append(GGUFSpec(type=imatrix_type, imatrix=True))
-    spec = EvalSpec(max_windows=windows, score_from=257, **({"speed": speed} if speed is not None else {}))
+    spec = (EvalSpec(max_windows=windows, score_from=257) if speed is None
+            else EvalSpec(max_windows=windows, score_from=257, speed=speed))
     return Plan(source=SourceInput(source=str(checkpoint)), model_name="smollm2-135m", variants=tuple(variants),
-                eval=spec, calibration=CalibrationSpec(chunks=imatrix_chunks))
+                eval=spec, gguf=GGUFOptions(calibration=CalibrationSpec(chunks=imatrix_chunks)))

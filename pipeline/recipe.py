@@ -32,6 +32,7 @@ from pipeline.errors import ConfigError, InvalidSpecError
 from pipeline.plan import (
     CalibrationSpec,
     EvalSpec,
+    GGUFOptions,
     Plan,
     SourceInput,
     SpeedSpec,
@@ -217,16 +218,15 @@ def eval_spec(data: dict[str, Any], base: Path) -> EvalSpec:
 
 def _plan(recipe: Recipe, entry: SourceEntry, base: Path) -> Plan:
     gguf = recipe.formats.gguf
-    calib = CalibrationSpec(file=_relative(gguf.calibration, base), chunks=gguf.imatrix_chunks) if gguf else None
+    options = GGUFOptions() if gguf is None else GGUFOptions(
+        base_type=parse_gguf_base(gguf.base), split_max_size=parse_split_size(gguf.split_max_size),
+        calibration=CalibrationSpec(file=_relative(gguf.calibration, base), chunks=gguf.imatrix_chunks),
+        allow_tokenizer_mismatch=gguf.allow_tokenizer_mismatch)
     return Plan(
         source=SourceInput(source=_source_text(entry.source, base), revision=entry.revision,
                            allow_pickle=entry.allow_pickle, trust_remote_code=entry.trust_remote_code),
         model_name=entry.name, variants=_variants(recipe.formats, base), eval=eval_spec(recipe.eval, base),
-        force=recipe.force,
-        gguf_base_type=parse_gguf_base(gguf.base) if gguf else "auto",
-        gguf_split_max_size=parse_split_size(gguf.split_max_size) if gguf else None,
-        calibration=calib or CalibrationSpec(),
-        allow_tokenizer_mismatch=bool(gguf and gguf.allow_tokenizer_mismatch))
+        force=recipe.force, gguf=options)
 
 
 def parse_recipe(data: Any, base: Path) -> tuple[Recipe, list[Plan]]:

@@ -5,7 +5,10 @@
 
 Without an imatrix this calls ``llama_cpp.llama_model_quantize`` (byte-identical to
 ``llama-quantize``). With one it runs the ``llama-quantize`` binary of the same build,
-because the imatrix data structure is not reachable from the Python bindings.
+because the imatrix data structure is not reachable from the Python bindings. llama-quantize records the
+imatrix's file name in the output (``quantize.imatrix.file``); it runs in the imatrix's folder and is given
+the bare, content-addressed name, so that no path of this machine enters the bytes and a rebuild elsewhere
+gives the same file.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ def main() -> int:
     req = json.loads(sys.stdin.read())
     if req.get("imatrix"):
         exe = Path(req["bin_dir"]) / "llama-quantize"
-        cmd = [str(exe), "--imatrix", req["imatrix"], req["input"], req["output"], _ftype_name(req["ftype"]),
-               str(req["nthread"])]
-        return subprocess.run(cmd).returncode
+        imatrix = Path(req["imatrix"]).resolve()
+        cmd = [str(exe), "--imatrix", imatrix.name, str(Path(req["input"]).resolve()),
+               str(Path(req["output"]).resolve()), _ftype_name(req["ftype"]), str(req["nthread"])]
+        return subprocess.run(cmd, cwd=imatrix.parent).returncode
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()

@@ -17,10 +17,12 @@ from converters.gguf import GGUFConverter, ImatrixRequest, llama_cpp_bin_dir, to
 from converters.gguf_imatrix import ensure_imatrix
 from converters.source import resolve_source
 from flows.quantize import convert_flow
+from flows.validate import ValidateOptions, validate
 from pipeline.cli import app
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, InvalidSpecError
-from pipeline.plan import CalibrationSpec, EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+from pipeline.plan import CalibrationSpec, EvalSpec, GGUFOptions, Plan, SourceInput, SpeedSpec, variants_from_flags
+from pipeline.policy import Policy
 from pipeline.specs import GGUFSpec
 from registry import open_registry
 from tests.conftest import DEMO_WINDOWS, make_settings, registry_snapshot
@@ -54,7 +56,7 @@ def test_imatrix_and_plain_q4km_both_registered_with_distinct_lineage(
     plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
                 variants=variants_from_flags(gguf="Q4_K_M,IQ4_XS", imatrix=True),
                 eval=EvalSpec(max_windows=DEMO_WINDOWS, speed=SpeedSpec(enabled=False)),
-                calibration=CalibrationSpec(chunks=CHUNKS))
+                gguf=GGUFOptions(calibration=CalibrationSpec(chunks=CHUNKS)))
     report = convert_flow(plan, cfg)
     assert report.ok, report
     assert report.count("imatrix") == 1 and report.count("quantize") == 2 and report.count("convert_base") == 0
@@ -81,6 +83,13 @@ def test_imatrix_and_plain_q4km_both_registered_with_distinct_lineage(
         assert quality.window_set_id == report.window_set["id"]  # type: ignore[index]
         klds[view.variant] = quality.metrics["kld_mean"]
     print("KLD on the demo window set:", klds)  # reported, not asserted: a tiny model may not show the gain
+
+    # validate --reproduce rebuilds i1-IQ4_XS with the recorded calibration (chunks, and the text by its sha256
+    # from the registry); a default plan would calibrate on every chunk and fail the check falsely
+    assert i1.lineage["options"]["calibration"]["chunks"] == CHUNKS
+    report = validate("demo/i1-IQ4_XS", cfg, ValidateOptions(policy=Policy(), reproduce=True))
+    check = next(c for c in report.checks if c.name == "reproducibility")
+    assert check.status == "pass", check.message
 
     again = convert_flow(plan, cfg)
     assert again.count("imatrix") == 0 and {v.status for v in again.variants} == {"reused"}

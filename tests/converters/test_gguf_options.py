@@ -18,6 +18,11 @@ from pipeline.specs import GGUFSpec
 from tests.factories import random_checkpoint
 
 
+def with_gguf(plan: Plan, **options: object) -> Plan:
+    """``plan`` with some GGUF options changed (validated, as a plan from the CLI would be)."""
+    return Plan.model_validate({**plan.model_dump(), "gguf": {**plan.gguf.model_dump(), **options}})
+
+
 @pytest.mark.parametrize(("dtype", "base"), [("bfloat16", "BF16"), ("float16", "F16"), ("float32", "F16")])
 def test_base_type_follows_the_source_dtype(dtype: str, base: str, tmp_path: Path, demo_model: Path) -> None:
     ckpt = load_checkpoint(random_checkpoint(tmp_path / dtype, demo_model, layers=1, dtype=dtype))
@@ -28,7 +33,7 @@ def test_base_type_follows_the_source_dtype(dtype: str, base: str, tmp_path: Pat
 def test_base_type_flag_is_validated() -> None:
     assert parse_gguf_base("bf16") == "BF16" and parse_gguf_base("Auto") == "auto"
     assert Plan(source=SourceInput(source="x"), variants=variants_from_flags(gguf="Q8_0"),
-                gguf_base_type="f16").gguf_base_type == "F16"
+                gguf_base_type="f16").gguf.base_type == "F16"  # the flat key of earlier releases still parses
     with pytest.raises(InvalidSpecError, match="f16, bf16 or f32"):
         parse_gguf_base("q8_0")
 
@@ -49,13 +54,13 @@ def test_build_key_covers_base_split_and_calibration(demo_model: Path, settings:
     other_calib.write_text("another calibration text\n" * 200)
     keys = {
         key(plan, plain),
-        key(plan.model_copy(update={"gguf_base_type": "BF16"}), plain),
-        key(plan.model_copy(update={"gguf_split_max_size": "2G"}), plain),
+        key(with_gguf(plan, base_type="BF16"), plain),
+        key(with_gguf(plan, split_max_size="2G"), plain),
         key(plan, i1),
-        key(plan.model_copy(update={"calibration": CalibrationSpec(chunks=8)}), i1),
-        key(plan.model_copy(update={"calibration": CalibrationSpec(file=str(other_calib))}), i1),
+        key(with_gguf(plan, calibration=CalibrationSpec(chunks=8)), i1),
+        key(with_gguf(plan, calibration=CalibrationSpec(file=str(other_calib))), i1),
     }
     assert len(keys) == 6
-    missing = plan.model_copy(update={"calibration": CalibrationSpec(file=str(tmp_path / "nope.txt"))})
+    missing = with_gguf(plan, calibration=CalibrationSpec(file=str(tmp_path / "nope.txt")))
     with pytest.raises(ConfigError, match="does not exist"):
         key(missing, i1)

@@ -12,9 +12,11 @@ from typer.testing import CliRunner
 
 from converters.gguf_split import PART_RE, inspect_parts
 from flows.quantize import convert_flow
+from flows.validate import ValidateOptions, validate
 from pipeline.cli import app
 from pipeline.errors import InvalidSpecError
-from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, parse_split_size, variants_from_flags
+from pipeline.plan import EvalSpec, GGUFOptions, Plan, SourceInput, SpeedSpec, parse_split_size, variants_from_flags
+from pipeline.policy import Policy
 from registry import open_registry
 from tests.conftest import DEMO_WINDOWS, make_settings
 
@@ -32,7 +34,7 @@ def test_split_variant_registered_evaluated_and_pulled(demo_model: Path, demo_re
     cfg = make_settings(demo_registry, demo_registry_template["work"], cache_dir)  # type: ignore[arg-type]
     plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo", variants=variants_from_flags(
         gguf="Q4_K_M"), eval=EvalSpec(max_windows=DEMO_WINDOWS, speed=SpeedSpec(enabled=False)),
-        gguf_split_max_size="1M")
+        gguf=GGUFOptions(split_max_size="1M"))
     report = convert_flow(plan, cfg)
     assert report.ok and report.count("split") == 1, report
     reg = open_registry(cfg.registry)
@@ -51,6 +53,13 @@ def test_split_variant_registered_evaluated_and_pulled(demo_model: Path, demo_re
     q_split = next(r for r in split.results if r.kind == "quality").metrics
     assert q_split["kld_mean"] == pytest.approx(q_whole["kld_mean"], rel=1e-6)
     assert q_split["ppl"] == pytest.approx(q_whole["ppl"], rel=1e-6)
+
+    # validate --reproduce rebuilds it from its lineage with the recorded split size (a default plan would make
+    # one file and fail the check falsely)
+    assert split.lineage["options"]["split_max_size"] == "1M"
+    report = validate(split.ref, cfg, ValidateOptions(policy=Policy(), reproduce=True))
+    check = next(c for c in report.checks if c.name == "reproducibility")
+    assert check.status == "pass", check.message
 
     dest = tmp_path / "pulled"
     result = CliRunner().invoke(app, ["pull", split.ref, str(dest), "--registry", str(cfg.registry)])

@@ -95,7 +95,8 @@ def test_mismatch_fails_the_variant_unless_allowed(demo_model: Path, shared_work
     with pytest.raises(NotFoundError):
         open_registry(cfg.registry).list_variants("demo")  # nothing registered
 
-    allowed = convert_flow(plan.model_copy(update={"allow_tokenizer_mismatch": True}), cfg)
+    lenient = plan.gguf.model_copy(update={"allow_tokenizer_mismatch": True})
+    allowed = convert_flow(plan.model_copy(update={"gguf": lenient}), cfg)
     assert allowed.ok and allowed.variants[0].status == "registered"
     parity = open_registry(cfg.registry).get_version("demo/Q8_0").lineage["parameters"]["tokenizer_parity"]
     assert parity["ok"] is False and parity["allowed_by_override"] is True

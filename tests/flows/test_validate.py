@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,9 +13,13 @@ from gguf import GGUFReader
 from junitparser import JUnitXml
 from typer.testing import CliRunner
 
+from flows.validate import ValidateOptions, validate
 from pipeline.cli import app
+from pipeline.plan import EvalSpec, SpeedSpec
+from pipeline.policy import Policy
 from registry import open_registry
 from registry.store import RegisterRequest
+from tests.exl2_support import exl2_demo  # noqa: F401  (session fixture)
 
 
 def _validate(*args: str) -> tuple[int, str]:
@@ -127,3 +132,29 @@ def test_policy_file_overrides(tmp_path: Path) -> None:
                                                         "Q2_K", "IQ1_S", "F16")] == \
         ["Q8", "Q6", "Q5", "Q4", "Q4", "Q3", "Q2", "Q2", "F16"]
     assert quant_class("exl2", {"bpw": 6.0}) == "Q6" and quant_class("awq", {"bits": 4}) == "Q4"
+
+
+def test_an_exl2_version_and_an_exl2_folder_validate_on_the_reference_engine(
+        exl2_demo: dict[str, Any], demo_model: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Without ExLlamaV2 the exl2-reference engine loads and scores the folder (said in the loadability
+    check); the registry version reuses its stored result, the plain folder is scored afresh on the same
+    windows, and both give the same numbers."""
+    cfg = exl2_demo["settings"]
+    variant = "EXL2-4.0bpw-ref"
+    eval_spec = EvalSpec(max_windows=exl2_demo["plan"].eval.max_windows, speed=SpeedSpec(enabled=False))
+    registered = validate(f"demo/{variant}", cfg, ValidateOptions(policy=Policy(), eval=eval_spec))
+    folder = tmp_path / variant
+    open_registry(cfg.registry).link_files(f"demo/{variant}", folder)
+    plain = validate(str(folder), cfg, ValidateOptions(policy=Policy(), source=str(demo_model), eval=eval_spec))
+    quality = []
+    for report in (registered, plain):
+        checks = {c.name: c for c in report.checks}
+        assert checks["format"].status == "pass" and "EXL2" in checks["format"].message, checks["format"]
+        assert checks["loadability"].status == "pass", checks["loadability"].message
+        assert "exl2-reference" in checks["loadability"].message and "fallback" in checks["loadability"].message
+        assert checks["tokenizer_parity"].status == "skip"  # the folder carries the HF tokenizer itself
+        assert checks["quality"].status in ("pass", "fail") and checks["quality"].details["engine"] == "exl2-reference"
+        quality.append(checks["quality"].details)
+    assert [q["reused_result"] for q in quality] == [True, False]
+    assert quality[1]["kld_mean"] == pytest.approx(quality[0]["kld_mean"], rel=1e-6)
+    assert quality[1]["delta_ppl_pct"] == pytest.approx(quality[0]["delta_ppl_pct"], rel=1e-4, abs=1e-6)
