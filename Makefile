@@ -51,11 +51,13 @@ demo: $(STAMP)
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest --durations=25
 
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache test-artifacts

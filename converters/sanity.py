@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from converters.checkpoint import read_safetensors_header
 from pipeline.errors import InvalidArtifactError, InvalidCheckpointError
@@ -21,7 +21,7 @@ from pipeline.errors import InvalidArtifactError, InvalidCheckpointError
 GGUF_MAGIC = b"GGUF"
 
 
-def _fail(path: Path, message: str, hint: str = "re-create the file; it is damaged or not a GGUF") -> None:
+def _fail(path: Path, message: str, hint: str = "re-create the file; it is damaged or not a GGUF") -> NoReturn:
     raise InvalidArtifactError(f"{path.name}: {message}", hint=hint)
 
 
@@ -122,6 +122,7 @@ def awq_sanity(folder: Path) -> dict[str, Any]:
     if not isinstance(qc, dict):
         _fail(cfg_path, "quantization_config is missing", hint="re-export the AWQ checkpoint")
     method = qc.get("quant_method")
+    required: tuple[str, ...]
     if method == "awq":
         required = ("bits", "group_size", "zero_point", "version")
     elif method == "compressed-tensors":

@@ -13,6 +13,7 @@ machine and every run agrees on it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ class Tick(BaseModel):
 
 
 def stale_variants(reg: Registry, model: str, plan: Plan, identity: str,
-                   concrete: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+                   concrete: Mapping[str, tuple[str, ...]] | None = None) -> list[str]:
     """The recipe's variants whose latest version was not built from ``identity`` (with why). ``concrete``
     maps a spec's name to the names it may be registered under once its backend is resolved."""
     concrete = concrete or {}

@@ -143,7 +143,8 @@ def _build_model(recipe: DemoRecipe):  # noqa: ANN202 - transformers type
         vocab_size=recipe.vocab_size, hidden_size=recipe.hidden_size,
         intermediate_size=recipe.intermediate_size, num_hidden_layers=recipe.layers,
         num_attention_heads=recipe.heads, num_key_value_heads=recipe.kv_heads,
-        max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=2048, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=recipe.tie_embeddings, bos_token_id=1, eos_token_id=2,
     )
     return LlamaForCausalLM(config)

@@ -151,11 +151,11 @@ def gc(reg: Registry, *, dry_run: bool = False, grace_s: float = 3600.0) -> GcRe
             ~select(sql.SourceArtifact.id).where(sql.SourceArtifact.sha256 == sql.Blob.sha256).exists())).all()
         report.blob_rows = sorted(r.sha256 for r in rows)
         for sha in candidates:
-            st = reg.blobs.stat(sha)
-            if sha in refs or st is None or st.age_s < grace_s:
+            current = reg.blobs.stat(sha)
+            if sha in refs or current is None or current.age_s < grace_s:
                 continue
             report.blobs.append(sha)
-            report.bytes += st.size
+            report.bytes += current.size
             if not dry_run:
                 reg.blobs.delete(sha)
         if not dry_run:

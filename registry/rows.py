@@ -29,8 +29,10 @@ def derive_inputs(req: RegisterRequest) -> list[InputView]:
     for item in [*req.inputs, *(req.lineage.get("inputs") or [])]:
         edge = item if isinstance(item, InputView) else InputView.model_validate(item)
         edges.append(edge)
-    seen: set[tuple[str, str]] = set()
-    return [e for e in edges if (e.kind, e.ref) not in seen and not seen.add((e.kind, e.ref))]
+    first: dict[tuple[str, str], InputView] = {}
+    for e in edges:
+        first.setdefault((e.kind, e.ref), e)  # the first edge of each (kind, ref), in order
+    return list(first.values())
 
 
 def version_view(session: Session, version: sql.Version, created: bool = False) -> VersionView:

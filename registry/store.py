@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -233,7 +234,7 @@ class Registry:
         for _ in range(3):
             stored = {name: self.blobs.put_file(path) for name, path in sorted(req.files.items())}
             try:
-                return self._retry(lambda s=stored: self._insert_version(req, s, inputs, by or actor()))
+                return self._retry(partial(self._insert_version, req, stored, inputs, by or actor()))
             except _BlobVanished:
                 continue
         raise RegistryError("blobs kept disappearing while registering: is `quantyard registry gc` running with "
@@ -463,7 +464,7 @@ class Registry:
         for _ in range(3):
             blob = self.blobs.put_file(path)
             try:
-                return self._retry(lambda b=blob: run(b))
+                return self._retry(partial(run, blob))
             except _BlobVanished:
                 continue
         raise RegistryError("the artifact's blob kept disappearing while registering: is gc running?")

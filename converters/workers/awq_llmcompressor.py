@@ -62,7 +62,7 @@ def apply_cpu_pin_memory_patch() -> str:
     def _no_pin(self: Any, batch_index: int, input_names: list[str] | None = None) -> None:
         del self, batch_index, input_names
 
-    IntermediatesCache.pin_memory = _no_pin  # type: ignore[method-assign]
+    IntermediatesCache.pin_memory = _no_pin
     return "applied (no accelerator: pin_memory is a no-op)"
 
 

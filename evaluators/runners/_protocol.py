@@ -158,7 +158,8 @@ class Collector:
         return out
 
     def save(self, out_dir: Path) -> int:
-        arrays = {k: np.concatenate(v) for k, v in self.parts.items() if v}
+        # Any: np.savez's stub types **kwds against its allow_pickle: bool too; the keys are the fixed names above.
+        arrays: dict[str, Any] = {k: np.concatenate(v) for k, v in self.parts.items() if v}
         tmp = out_dir / "logprobs.tmp.npz"
         np.savez(tmp, **arrays)
         os.replace(tmp, out_dir / "logprobs.npz")

@@ -73,8 +73,8 @@ def load_exl2_as_hf(path: Path, dtype: Any = None, device: str = "cpu") -> Any:
     config = _config(path)
     try:
         from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers
-        from transformers.modeling_utils import no_init_weights
+    except ImportError:  # older transformers (the tool environments'); mypy sees the newer one in .venv
+        from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined, no-redef]
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = dequantized_state(path, dtype)

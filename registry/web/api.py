@@ -39,7 +39,7 @@ router = APIRouter(prefix="/api/v1", tags=["registry"])
 
 
 def registry_of(request: Request) -> Registry:
-    return request.app.state.registry  # type: ignore[no-any-return]
+    return request.app.state.registry
 
 
 Reg = Annotated[Registry, Depends(registry_of)]

@@ -34,8 +34,7 @@ _SEG = r"[A-Za-z0-9][A-Za-z0-9._\-]*"
 
 
 class _Pattern(Convertor[str]):
-    def __init__(self, regex: str) -> None:
-        self.regex = regex
+    """A path segment pattern; ``regex`` is a class variable of starlette's Convertor, set by each subclass."""
 
     def convert(self, value: str) -> str:
         return value
@@ -46,9 +45,21 @@ class _Pattern(Convertor[str]):
 
 # Registry names in paths: a model is `name` or `owner/name`; a variant adds `/VARIANT`; a reference may add
 # `@VERSION|@ALIAS`. None of them can contain `/-/`, which separates sub-resources.
-register_url_convertor("qmodel", _Pattern(rf"{_SEG}(?:/{_SEG})?"))
-register_url_convertor("qvariant", _Pattern(rf"{_SEG}(?:/{_SEG})?/{_SEG}"))
-register_url_convertor("qref", _Pattern(rf"{_SEG}(?:/{_SEG})?/{_SEG}(?:@{_SEG})?"))
+class _Model(_Pattern):
+    regex = rf"{_SEG}(?:/{_SEG})?"
+
+
+class _Variant(_Pattern):
+    regex = rf"{_SEG}(?:/{_SEG})?/{_SEG}"
+
+
+class _Ref(_Pattern):
+    regex = rf"{_SEG}(?:/{_SEG})?/{_SEG}(?:@{_SEG})?"
+
+
+register_url_convertor("qmodel", _Model())
+register_url_convertor("qvariant", _Variant())
+register_url_convertor("qref", _Ref())
 
 
 def _status(exc: QuantyardError) -> int:

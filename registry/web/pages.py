@@ -26,7 +26,7 @@ SORT_KEYS = frozenset({*METRICS, "variant", "format", "state", "engine"})
 
 
 def templates(request: Request) -> Jinja2Templates:
-    return request.app.state.templates  # type: ignore[no-any-return]
+    return request.app.state.templates
 
 
 def cached(request: Request, reg: Registry, build: Callable[[], Response]) -> Response:

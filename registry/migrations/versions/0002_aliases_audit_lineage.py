@@ -87,7 +87,8 @@ def _tool_ref(tool: dict[str, Any]) -> str:
 
 def _edges(lineage: dict[str, Any], source_identity: str) -> list[dict[str, Any]]:
     """The lineage edges of one version, frozen here as this revision defines them."""
-    edges = [{"kind": "source", "ref": source_identity, "name": None, "sha256": None, "meta": {}}]
+    edges: list[dict[str, Any]] = [{"kind": "source", "ref": source_identity, "name": None, "sha256": None,
+                                    "meta": {}}]
     tool = lineage.get("tool")
     if isinstance(tool, dict) and tool:
         edges.append({"kind": "tool", "ref": _tool_ref(tool), "name": tool.get("name"), "sha256": None,
@@ -96,8 +97,10 @@ def _edges(lineage: dict[str, Any], source_identity: str) -> list[dict[str, Any]
         if isinstance(item, dict) and item.get("kind") and (item.get("ref") or item.get("sha256")):
             edges.append({"kind": str(item["kind"]), "ref": str(item.get("ref") or f"sha256:{item['sha256']}"),
                           "name": item.get("name"), "sha256": item.get("sha256"), "meta": item.get("meta") or {}})
-    seen: set[tuple[str, str]] = set()
-    return [e for e in edges if (e["kind"], e["ref"]) not in seen and not seen.add((e["kind"], e["ref"]))]
+    first: dict[tuple[str, str], dict[str, Any]] = {}
+    for e in edges:
+        first.setdefault((e["kind"], e["ref"]), e)  # the first edge of each (kind, ref), in order
+    return list(first.values())
 
 
 def _backfill(bind: sa.Connection) -> None:
