@@ -84,7 +84,7 @@ def _plan(demo: Path, types: str) -> Any:
 
 
 def embedded(demo: Path, types: str, work: Path) -> dict[str, float]:
-    from pipeline.cli import prefect_defaults
+    from pipeline.cli.common import prefect_defaults
 
     prefect_defaults()
     from flows.quantize import convert_flow

@@ -3,11 +3,14 @@ unchanged registry. Plus docs-as-tests: every command is documented in the READM
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -115,3 +118,40 @@ def test_every_command_is_documented() -> None:
         names = [name] + ([f"{name} {sub}" for sub in cmd.commands] if hasattr(cmd, "commands") else [])
         missing += [n for n in names if not re.search(rf"quantyard {re.escape(n)}\b", text)]
     assert not missing, f"commands missing from README.md: {missing}"
+
+
+def test_convert_flags_become_one_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every flag group of `convert` reaches the Plan that plan_from_options builds (nothing runs)."""
+    import pipeline.cli.convert as convert
+
+    seen: list[tuple[Any, Any, bool]] = []
+    monkeypatch.setattr(convert, "run_plan", lambda plan, cfg, as_json: seen.append((plan, cfg, as_json)))
+    result = CliRunner().invoke(app, ["convert", "owner/name", "--gguf", "Q8_0", "--exl2", "4.0", "--name", "n",
+                                      "--revision", "main", "--registry", str(tmp_path / "r"), "--force",
+                                      "--window", "256", "--score-from", "129", "--no-speed", "--threads", "2",
+                                      "--imatrix", "--gguf-base", "bf16", "--json"])
+    assert result.exit_code == 0, result.output
+    ((plan, cfg, as_json),) = seen
+    assert (plan.source.source, plan.source.revision, plan.model_name, plan.force) == ("owner/name", "main", "n", True)
+    assert [v.format.value for v in plan.variants] == ["gguf", "exl2"] and plan.variants[0].imatrix
+    assert (plan.eval.window, plan.eval.score_from, plan.eval.speed.enabled) == (256, 129, False)
+    assert '"BF16"' in plan.model_dump_json()  # --gguf-base, normalised (the only BF16 in this plan)
+    assert (cfg.registry, cfg.threads, as_json) == (str(tmp_path / "r"), 2, True)
+
+
+@dataclass(frozen=True)
+class _Flags:
+    a: int = 1
+    b: int = 2
+
+
+def test_flag_groups_must_name_every_flag_once() -> None:
+    from pipeline.cli.common import flag_groups
+
+    def command(flags: _Flags) -> None: ...
+
+    with pytest.raises(TypeError, match="flag order"):
+        flag_groups(["a"])(command)
+    with pytest.raises(TypeError, match="flag order"):
+        flag_groups(["a", "b", "c"])(command)
+    assert list(inspect.signature(flag_groups(["b", "a"])(command)).parameters) == ["b", "a"]

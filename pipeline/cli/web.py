@@ -6,10 +6,9 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli import RegistryOpt, app, handle_errors, settings
+from pipeline.cli.common import RegistryOpt, handle_errors, settings
 
 
-@app.command()
 @handle_errors
 def serve(
     registry: RegistryOpt = None,
@@ -34,3 +33,7 @@ def serve(
                       f"http://{host}:{port}/ (writes {'enabled' if token else 'disabled: no QUANTYARD_WEB_TOKEN'})")
     app = create_app(reg, token=token, cache_entries=cfg.web_cache_entries)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)

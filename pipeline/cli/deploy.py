@@ -1,5 +1,5 @@
-"""Distributed commands: ``quantyard deploy``, ``quantyard orchestrate``, ``quantyard watch``; and the
-recipe side of ``quantyard convert --recipe`` (see flows/deployments.py, flows/orchestrate.py, flows/watch.py).
+"""Distributed commands: ``quantyard deploy``, ``quantyard orchestrate``, ``quantyard watch`` (see
+flows/deployments.py, flows/orchestrate.py, flows/watch.py).
 
 ``deploy``, ``orchestrate`` and a scheduled ``watch`` talk to the Prefect server named by
 ``PREFECT_API_URL``; without one they stop with a clear error instead of starting a throw-away server.
@@ -8,12 +8,20 @@ recipe side of ``quantyard convert --recipe`` (see flows/deployments.py, flows/o
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from pipeline.cli import JsonOpt, RegistryOpt, app, handle_errors, prefect_defaults, settings
-from pipeline.errors import EXIT_ENGINE, ConfigError
+from pipeline.cli.common import (
+    JsonOpt,
+    RegistryOpt,
+    handle_errors,
+    prefect_defaults,
+    print_runs,
+    recipe_plans,
+    settings,
+)
+from pipeline.errors import ConfigError
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML (source, formats, eval, policy, placement).")]
 CpuPoolOpt = Annotated[str, typer.Option("--work-pool-cpu", help="Prefect work pool of the CPU stages.")]
@@ -51,69 +59,6 @@ def registry_location(registry: str | None) -> str:
     return str(Path(location).expanduser().resolve())
 
 
-def recipe_plans(path: Path, source: str | None = None) -> tuple[Any, list[Any]]:
-    """A recipe and its plans; ``source`` (the positional SOURCE of ``convert``) replaces a one-source recipe's."""
-    from pipeline.recipe import load_recipe_file
-
-    recipe, plans = load_recipe_file(path)
-    if source is not None:
-        if len(plans) != 1:
-            raise ConfigError(f"SOURCE {source} was given but the recipe {path} has {len(plans)} sources",
-                              hint="leave SOURCE out, or use a one-source recipe")
-        # Only the location changes: the entry's revision, allow_pickle and trust_remote_code are kept.
-        plans = [plans[0].model_copy(update={"source": plans[0].source.model_copy(update={"source": source})})]
-    return recipe, plans
-
-
-def convert_recipe(path: Path, source: str | None, cfg: Any, as_json: bool) -> None:
-    """``quantyard convert --recipe``: every source of the recipe through the embedded flow, then its policy."""
-    from pipeline.cli import run_plan
-
-    recipe, plans = recipe_plans(path, source)
-    if recipe.policy is None:
-        for plan in plans:
-            run_plan(plan, cfg, as_json)
-        return
-    prefect_defaults()
-    from flows.recipes import run_plan as run_recipe_plan
-
-    runs = [run_recipe_plan(plan, recipe, cfg, "embedded") for plan in plans]
-    _print_runs(runs, as_json)
-
-
-def _print_runs(runs: list[Any], as_json: bool, stages: bool = False) -> None:
-    from pipeline.render import console, print_json, results_table
-    from pipeline.results import table_rows
-
-    if as_json:
-        print_json([r.model_dump(mode="json") for r in runs])
-    else:
-        for run in runs:
-            report = run.report
-            if stages:
-                console.print(stage_table(report.stages))
-            console.print(results_table(f"{report.model}  ({report.wall_s:.1f} s)", table_rows(report.variants)))
-            for v in run.verdicts:
-                mark = "[green]pass[/]" if v.passed else "[red]fail[/]"
-                note = " → validated" if v.promoted else ""
-                console.print(f"policy {v.variant}: {mark}{note} {'; '.join(v.problems)}")
-    failed = any(not r.report.ok or any(v.eval_status == "failed" for v in r.report.variants) for r in runs)
-    if failed or any(not v.passed for r in runs for v in r.verdicts):
-        raise typer.Exit(EXIT_ENGINE)
-
-
-def stage_table(stages: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
-
-    table = Table("stage", "pool", "status", "key", "work pool", "work s", "flow run", header_style="bold")
-    for s in stages:
-        work = s.get("work_s")
-        table.add_row(s["stage"], s["pool"], s["status"], str(s["key"])[:16], s.get("work_pool") or "—",
-                      f"{work:.2f}" if isinstance(work, float) else "—", str(s.get("flow_run_id") or "—")[:8])
-    return table
-
-
-@app.command()
 @handle_errors
 def deploy(
     work_pool_cpu: CpuPoolOpt = "cpu",
@@ -143,7 +88,6 @@ def deploy(
     console.print(f"[green]✓[/] {len(names)} deployments on {url}: " + ", ".join(names))
 
 
-@app.command()
 @handle_errors
 def orchestrate(
     recipe: RecipeArg,
@@ -161,10 +105,9 @@ def orchestrate(
     parsed, plans = recipe_plans(recipe)
     cfg = settings(registry_location(registry))
     runs = [run_plan(plan, parsed, cfg, "local" if local else "distributed") for plan in plans]
-    _print_runs(runs, as_json, stages=True)
+    print_runs(runs, as_json, stages=True)
 
 
-@app.command()
 @handle_errors
 def watch(
     recipe: RecipeArg,
@@ -211,3 +154,9 @@ def watch(
         return
     console.print(f"[green]✓[/] {name} checks {recipe} every {interval or 3600:g} s" if not cron
                   else f"[green]✓[/] {name} checks {recipe} on cron {cron!r}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(deploy)
+    app.command()(orchestrate)
+    app.command()(watch)

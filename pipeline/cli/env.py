@@ -7,33 +7,22 @@ from typing import Annotated, Any
 
 import typer
 
+from pipeline.cli.common import JsonOpt, handle_errors, settings
+
 env_app = typer.Typer(name="env", no_args_is_help=True, help="Managed tool environments (awq, autoawq, vllm, exl2).")
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
-
-
-def _settings() -> object:
-    from pipeline.config import Settings
-
-    return Settings()
 
 
 @env_app.command("list")
+@handle_errors
 def env_list(as_json: JsonOpt = False) -> None:
     """Show every tool environment: state, interpreter, requirement file, key and size."""
-    from pipeline.cli import handle_errors
-
-    handle_errors(_env_list)(as_json=as_json)
-
-
-def _env_list(as_json: bool = False) -> None:
     from rich.table import Table
 
     from pipeline import envs
     from pipeline.render import console, print_json
 
-    cfg = _settings()
-    rows = [envs.status(name, cfg) for name in envs.ENVS]  # type: ignore[arg-type]
+    cfg = settings()
+    rows = [envs.status(name, cfg) for name in envs.ENVS]
     if as_json:
         print_json(rows)
         return
@@ -45,32 +34,27 @@ def _env_list(as_json: bool = False) -> None:
     console.print(table)
 
 
-@env_app.command("ensure")
-def env_ensure(names: Annotated[list[str], typer.Argument(help="Environment names (see `quantyard env list`).")],
-               as_json: JsonOpt = False) -> None:
-    """Build the named environments if they are missing (a built one is reused without any install)."""
-    from pipeline.cli import handle_errors
-
-    handle_errors(_env_ensure)(names, as_json=as_json)
-
-
 def _plain(console: Any) -> Callable[[str], None]:
     """Print progress lines verbatim (pip's output holds brackets that rich would read as markup)."""
     return lambda line: console.print(line, markup=False, highlight=False)
 
 
-def _env_ensure(names: list[str], as_json: bool = False) -> None:
+@env_app.command("ensure")
+@handle_errors
+def env_ensure(names: Annotated[list[str], typer.Argument(help="Environment names (see `quantyard env list`).")],
+               as_json: JsonOpt = False) -> None:
+    """Build the named environments if they are missing (a built one is reused without any install)."""
     from pipeline import envs
     from pipeline.render import err_console, print_json
 
-    cfg = _settings()
+    cfg = settings()
     for name in names:
         envs.spec_for(name)  # an unknown name fails before anything is built
     out = []
     for name in names:
         if not as_json:
             err_console.print(f"env {name}: checking…")
-        info = envs.ensure(name, cfg, progress=None if as_json else _plain(err_console))  # type: ignore[arg-type]
+        info = envs.ensure(name, cfg, progress=None if as_json else _plain(err_console))
         out.append({"name": name, "python": info.python, "key": info.key, "managed": info.managed,
                     "created": info.created, "events": info.events, "packages": len(info.freeze)})
         if not as_json:
@@ -78,3 +62,7 @@ def _env_ensure(names: list[str], as_json: bool = False) -> None:
             err_console.print(f"[green]✓[/] env {name}: {what}  {info.python}")
     if as_json:
         print_json(out)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(env_app, name="env")

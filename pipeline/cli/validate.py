@@ -7,11 +7,10 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli import JsonOpt, RegistryOpt, app, handle_errors, prefect_defaults, settings
+from pipeline.cli.common import JsonOpt, RegistryOpt, handle_errors, prefect_defaults, settings
 from pipeline.errors import EXIT_CHECK_FAILED
 
 
-@app.command()
 @handle_errors
 def validate(
     target: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION|@ALIAS], or a .gguf file, AWQ or EXL2 folder.")],
@@ -59,3 +58,7 @@ def validate(
         console.print(verdict + (f" · state: {state}" if state else ""))
     if not report.passed:
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(validate)

@@ -1,28 +1,22 @@
 """Registry commands of the ``quantyard`` CLI: ``registry upgrade|verify|gc``, ``alias``, ``state``,
-``audit``, ``lineage`` and ``publish``. ``pipeline/cli.py`` registers them with :func:`register`.
-
-Error handling and settings come from ``pipeline.cli`` at call time (imported lazily, so this module
-never imports the CLI module that imports it).
-"""
+``audit``, ``lineage`` and ``publish``."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 
-F = TypeVar("F", bound=Callable[..., Any])
+from pipeline.cli.common import JsonOpt, handle_errors, settings
 
+# The registry commands' own --registry help names the URI forms (the other commands' is shorter).
 RegistryOpt = Annotated[str | None, typer.Option(
     "--registry", help="Registry folder or URI: sqlite:///PATH, postgresql://USER@HOST/DB "
                        "(default: $QUANTYARD_REGISTRY).")]
 BlobsOpt = Annotated[str | None, typer.Option(
     "--blobs", help="Blob store URL: a folder or s3://bucket/prefix (default: $QUANTYARD_BLOBS, else the URL "
                     "recorded in the registry, else REGISTRY/blobs).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 ByOpt = Annotated[str | None, typer.Option("--by", help="Who is acting, for the audit log (default: user@host).")]
 NoteOpt = Annotated[str | None, typer.Option("--note", help="Why, for the audit log.")]
 GraceOpt = Annotated[float, typer.Option(
@@ -35,18 +29,7 @@ state_app = typer.Typer(no_args_is_help=True, help="Version states: candidate �
 lineage_app = typer.Typer(no_args_is_help=True, help="Where a version came from, and what was built from a source.")
 
 
-def _guarded(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from pipeline.cli import handle_errors
-
-        return handle_errors(fn)(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
 def _open(registry: str | None, blobs: str | None = None, create: bool = False) -> Any:
-    from pipeline.cli import settings
     from registry import open_registry
 
     return open_registry(settings(registry, blobs=blobs), create=create)
@@ -64,10 +47,9 @@ def _print(data: Any, as_json: bool) -> bool:
 
 
 @registry_app.command("upgrade")
-@_guarded
+@handle_errors
 def upgrade_cmd(registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
     """Migrate the registry's database schema to this Quantyard's version (creating it if empty)."""
-    from pipeline.cli import settings
     from pipeline.render import console
     from registry import upgrade_registry
 
@@ -78,7 +60,7 @@ def upgrade_cmd(registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
 
 
 @registry_app.command("verify")
-@_guarded
+@handle_errors
 def verify_cmd(deep: Annotated[bool, typer.Option("--deep", help="Also re-hash every blob (reads all bytes).")]
                = False, grace: GraceOpt = 3600.0, registry: RegistryOpt = None, blobs: BlobsOpt = None,
                as_json: JsonOpt = False) -> None:
@@ -110,7 +92,7 @@ def verify_cmd(deep: Annotated[bool, typer.Option("--deep", help="Also re-hash e
 
 
 @registry_app.command("gc")
-@_guarded
+@handle_errors
 def gc_cmd(dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be removed.")] = False,
            grace: GraceOpt = 3600.0, registry: RegistryOpt = None, blobs: BlobsOpt = None,
            as_json: JsonOpt = False) -> None:
@@ -133,7 +115,7 @@ def gc_cmd(dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list wh
 
 
 @alias_app.command("set")
-@_guarded
+@handle_errors
 def alias_set(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT@VERSION to point the alias at.")],
               name: Annotated[str, typer.Argument(help="Alias, e.g. production.")], by: ByOpt = None,
               note: NoteOpt = None, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
@@ -146,7 +128,7 @@ def alias_set(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT@VERSION to 
 
 
 @alias_app.command("rm")
-@_guarded
+@handle_errors
 def alias_rm(variant: Annotated[str, typer.Argument(help="MODEL/VARIANT")], name: str, by: ByOpt = None,
              note: NoteOpt = None, registry: RegistryOpt = None) -> None:
     """Remove alias NAME from MODEL/VARIANT (logged)."""
@@ -159,7 +141,7 @@ def alias_rm(variant: Annotated[str, typer.Argument(help="MODEL/VARIANT")], name
 
 
 @alias_app.command("list")
-@_guarded
+@handle_errors
 def alias_list(variant: Annotated[str, typer.Argument(help="MODEL/VARIANT")], registry: RegistryOpt = None,
                as_json: JsonOpt = False) -> None:
     """List the aliases of MODEL/VARIANT."""
@@ -174,7 +156,7 @@ def alias_list(variant: Annotated[str, typer.Argument(help="MODEL/VARIANT")], re
 
 
 @state_app.command("set")
-@_guarded
+@handle_errors
 def state_set(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT@VERSION")],
               state: Annotated[str, typer.Argument(help="validated | published | rejected | deprecated")],
               by: ByOpt = None, note: NoteOpt = None, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
@@ -192,6 +174,7 @@ def state_set(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT@VERSION")],
         console.print(f"[green]✓[/] {view.ref} is {view.state}")
 
 
+@handle_errors
 def audit(model: Annotated[str | None, typer.Argument(help="Only this model (default: every model).")] = None,
           variant: Annotated[str | None, typer.Option(help="Only this variant of MODEL.")] = None,
           limit: Annotated[int, typer.Option(help="Newest N events.")] = 50, registry: RegistryOpt = None,
@@ -215,7 +198,7 @@ def audit(model: Annotated[str | None, typer.Argument(help="Only this model (def
 
 
 @lineage_app.command("show")
-@_guarded
+@handle_errors
 def lineage_show(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION|@ALIAS]")],
                  registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
     """Upstream: the source commit (or content hash), tool, environment and inputs of a version."""
@@ -232,7 +215,7 @@ def lineage_show(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION
 
 
 @lineage_app.command("derived")
-@_guarded
+@handle_errors
 def lineage_derived(query: Annotated[str, typer.Argument(
                         help="A source identity (hub:OWNER/NAME@COMMIT, local:sha256:…), a tool reference or an "
                              "input's sha256; prefixes of 8+ characters match.")],
@@ -251,6 +234,7 @@ def lineage_derived(query: Annotated[str, typer.Argument(
 # -- publish --------------------------------------------------------------------------------------
 
 
+@handle_errors
 def publish(refs: Annotated[list[str], typer.Argument(help="MODEL/VARIANT[@VERSION] of one model and format.")],
             repo: Annotated[str, typer.Option("--repo", help="Hub repo OWNER/NAME.")],
             private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
@@ -288,5 +272,5 @@ def register(app: typer.Typer) -> None:
     app.add_typer(alias_app, name="alias")
     app.add_typer(state_app, name="state")
     app.add_typer(lineage_app, name="lineage")
-    app.command("audit")(_guarded(audit))
-    app.command("publish")(_guarded(publish))
+    app.command("audit")(audit)
+    app.command("publish")(publish)
