@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
@@ -27,14 +26,16 @@ import numpy as np
 
 from converters.base import BuildContext, BuiltVariant, Prepared
 from converters.checkpoint import Checkpoint
+from converters.sanity import awq_sanity
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.cpu import cpu_compute_dtype, cpu_flags
-from pipeline.demo_model import CALIB_TEXT, DemoRecipe, corpus
 from pipeline.errors import ConfigError, ConversionError, DiskFullError, InvalidSpecError, UnsupportedArchitectureError
+from pipeline.fs import atomic_path
 from pipeline.proc import child_env, failure_log_dir, run_logged
-from pipeline.real_model import text_origin
 from pipeline.specs import AWQBackend, AWQSpec, QuantFormat
+from pipeline.texts import calibration_text as pick_calibration_text
+from pipeline.texts import text_sha256
 
 WORKERS = {AWQBackend.LLMCOMPRESSOR: "converters.workers.awq_llmcompressor",
            AWQBackend.AUTOAWQ: "converters.workers.awq_autoawq"}
@@ -61,6 +62,23 @@ class AWQConverter:
         self.backend = backend
 
     # -- identity and checks ---------------------------------------------------------------------
+
+    @staticmethod
+    def describe(path: Path) -> tuple[str, dict[str, Any]]:
+        """A plain AWQ folder's variant name and spec, from its quantization_config."""
+        qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        return "AWQ", {"bits": int(qc.get("bits", 4))}
+
+    @staticmethod
+    def read_structure(path: Path) -> None:
+        """Raise InvalidArtifactError when ``path`` is not an AWQ checkpoint folder."""
+        awq_sanity(path)
+
+    @staticmethod
+    def sanity(model: Path, files: list[Path]) -> tuple[str, dict[str, Any]]:
+        """quantization_config and safetensors headers checked. Raises InvalidArtifactError."""
+        summary = awq_sanity(model)
+        return f"AWQ {summary['quant_method']}, {summary['tensors']} tensors", summary
 
     def env_identity(self, backend: AWQBackend) -> dict[str, Any]:
         """Which environment builds ``backend`` and its pinned versions, without building it."""
@@ -155,27 +173,24 @@ class AWQConverter:
 
     def _run_worker(self, ctx: BuildContext, prepared: Prepared, spec: AWQSpec, calib: Path,
                     model_dir: Path) -> dict[str, Any]:
-        tmp = model_dir.with_name(model_dir.name + ".incomplete")
-        shutil.rmtree(tmp, ignore_errors=True)
         result_path = model_dir.parent / "worker-result.json"
-        request = {"model": str(ctx.checkpoint.path), "output": str(tmp), "calibration": str(calib),
-                   "bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric,
-                   "threads": ctx.settings.threads, "seed": 0, "result": str(result_path),
-                   "compute_dtype": self.compute_dtype(ctx.checkpoint), "cpu_flags": cpu_flags()}
-        req_path = model_dir.parent / "worker-request.json"
-        req_path.write_text(json.dumps(request, indent=1))
-        python = prepared.paths[f"python:{spec.backend.value}"]
-        res = run_logged([python, "-m", WORKERS[spec.backend], str(req_path)], log_dir=model_dir.parent,
-                         name=f"awq-{spec.backend.value}", timeout_s=ctx.settings.convert_timeout_s,
-                         env=child_env({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}),
-                         keep=failure_log_dir(ctx.settings.logs_root))
-        if not res.ok or not result_path.is_file():
-            shutil.rmtree(tmp, ignore_errors=True)
-            if res.disk_full:
-                raise DiskFullError(model_dir.parent)
-            raise ConversionError(f"AWQ quantization with {spec.backend.value} {res.describe()}",
-                                  stderr_tail=res.stderr_tail, hint=f"see the log {res.log}")
-        os.replace(tmp, model_dir)
+        with atomic_path(model_dir) as tmp:  # the worker writes the folder; removed if it fails
+            request = {"model": str(ctx.checkpoint.path), "output": str(tmp), "calibration": str(calib),
+                       "bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric,
+                       "threads": ctx.settings.threads, "seed": 0, "result": str(result_path),
+                       "compute_dtype": self.compute_dtype(ctx.checkpoint), "cpu_flags": cpu_flags()}
+            req_path = model_dir.parent / "worker-request.json"
+            req_path.write_text(json.dumps(request, indent=1))
+            python = prepared.paths[f"python:{spec.backend.value}"]
+            res = run_logged([python, "-m", WORKERS[spec.backend], str(req_path)], log_dir=model_dir.parent,
+                             name=f"awq-{spec.backend.value}", timeout_s=ctx.settings.convert_timeout_s,
+                             env=child_env({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}),
+                             keep=failure_log_dir(ctx.settings.logs_root))
+            if not res.ok or not result_path.is_file():
+                if res.disk_full:
+                    raise DiskFullError(model_dir.parent)
+                raise ConversionError(f"AWQ quantization with {spec.backend.value} {res.describe()}",
+                                      stderr_tail=res.stderr_tail, hint=f"see the log {res.log}")
         return dict(json.loads(result_path.read_text()))
 
 
@@ -191,35 +206,9 @@ def checkpoint_dtype_name(checkpoint: Checkpoint) -> str:
 
 
 def calibration_text(spec: AWQSpec, checkpoint: Path) -> tuple[str, str]:
-    """The calibration text and where it came from. The default is the bundled calibration text,
-    which never overlaps the evaluation text (see pipeline.demo_model)."""
-    if spec.calibration and spec.calibration.startswith("dataset:"):
-        return _dataset_text(spec.calibration.removeprefix("dataset:")), spec.calibration
-    if spec.calibration:
-        path = Path(spec.calibration)
-        if not path.is_file():
-            raise ConfigError(f"calibration text {path} does not exist", hint="pass an existing text file")
-        return path.read_text(encoding="utf-8"), f"file:{path.name}"
-    own = checkpoint / CALIB_TEXT
-    if own.is_file():
-        return own.read_text(encoding="utf-8"), text_origin(checkpoint, CALIB_TEXT)
-    return corpus(DemoRecipe())["calib"], "builtin:python-stdlib-calibration"
-
-
-def _dataset_text(name: str) -> str:
-    try:
-        import datasets  # optional dependency of the core environment
-    except ImportError as exc:
-        raise ConfigError("a calibration dataset needs the optional 'datasets' package",
-                          hint="pip install datasets, or pass a calibration text file") from exc
-    parts = name.split(":")
-    if len(parts) < 2:
-        raise ConfigError(f"calibration dataset {name!r}: expected NAME[:CONFIG]:SPLIT[:COLUMN]")
-    config = parts[1] if len(parts) >= 3 else None
-    split = parts[2] if len(parts) >= 3 else parts[1]
-    column = parts[3] if len(parts) >= 4 else "text"
-    ds = datasets.load_dataset(parts[0], config, split=split)
-    return "\n\n".join(str(t) for t in ds[column])
+    """The calibration text and where it came from (pipeline.texts): ``spec.calibration`` (a file or
+    ``dataset:…``), else the bundled calibration text, which never overlaps the evaluation text."""
+    return pick_calibration_text(checkpoint, spec.calibration)
 
 
 def calibration_ids(checkpoint: Checkpoint, spec: AWQSpec) -> tuple[np.ndarray, dict[str, Any]]:
@@ -245,7 +234,7 @@ def calibration_ids(checkpoint: Checkpoint, spec: AWQSpec) -> tuple[np.ndarray, 
     n = min(spec.calibration_samples, n_chunks)
     pick = np.unique(np.linspace(0, n_chunks - 1, n).round().astype(int))
     arr = np.asarray([bos + ids[i * body:(i + 1) * body] for i in pick], dtype=np.int32)
-    meta = {"origin": origin, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+    meta = {"origin": origin, "text_sha256": text_sha256(text),
             "ids_sha256": hashlib.sha256(arr.tobytes()).hexdigest(), "samples": int(arr.shape[0]),
             "samples_requested": spec.calibration_samples, "seq_len": int(arr.shape[1]), "text_tokens": len(ids)}
     return arr, meta

@@ -12,7 +12,6 @@ format cannot handle, so no time or disk is spent on doomed work.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -20,6 +19,7 @@ from typing import Any, ClassVar, Protocol
 from converters.checkpoint import Checkpoint
 from pipeline.config import Settings
 from pipeline.specs import QuantFormat, SourceRef
+from pipeline.texts import text_sha256
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Calibration:
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.text.encode()).hexdigest()
+        return text_sha256(self.text)
 
 
 @dataclass(frozen=True)

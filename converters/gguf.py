@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar
@@ -33,20 +33,25 @@ from converters.checkpoint import Checkpoint
 from converters.gguf_imatrix import ImatrixRequest, ensure_imatrix
 from converters.gguf_split import inspect_parts, split_gguf
 from converters.gguf_tokenizer import check_parity
+from converters.sanity import gguf_sanity, gguf_structure
+from pipeline.config import Settings
 from pipeline.errors import (
     ConfigError,
     ConversionError,
     DiskFullError,
     InvalidSpecError,
+    NotFoundError,
     TokenizerUnsupportedError,
     ToolchainMissingError,
     UnsupportedArchitectureError,
 )
+from pipeline.fs import atomic_path, write_atomic
 from pipeline.plan import GGUFOptions
 from pipeline.proc import child_env, failure_log_dir, run_logged, with_path_prefix
-from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, QuantFormat
+from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, GGUFType, QuantFormat
 
 WORKER = "converters.workers.llama_quantize"
+IMATRIX_KIND = "imatrix"
 
 
 def load_toolchain(tools_dir: Path) -> dict[str, Any]:
@@ -85,15 +90,89 @@ def choose_base_type(ckpt: Checkpoint, requested: str = "auto") -> str:
 class GGUFConverter:
     format: ClassVar[QuantFormat] = QuantFormat.GGUF
 
-    def __init__(self, tools_dir: Path, python: str = sys.executable, options: GGUFOptions | None = None,
-                 imatrix: ImatrixRequest | None = None) -> None:
-        """``options``: the plan's GGUF options (base type, split size, tokenizer override); ``imatrix``: the
-        calibration of ``i1-`` variants (None when the run has none)."""
-        self.tools_dir = tools_dir
-        self.python = python
+    def __init__(self, settings: Settings, options: GGUFOptions | None = None) -> None:
+        """``options``: the plan's GGUF options (base type, split size, imatrix calibration, tokenizer override)."""
+        self.settings = settings
+        self.tools_dir = settings.llama_cpp_tools_dir
+        self.python = settings.core_python
         self.options = options if options is not None else GGUFOptions()
-        self.imatrix = imatrix
         self.base_type = self.options.base_type
+
+    @staticmethod
+    def prepare_inputs(options: dict[str, Any], specs: list[Any]) -> dict[str, Any]:
+        """What the shared preparation depends on (a distributed run's prepare-stage key): the base type, and
+        the imatrix calibration when a variant needs one; adding a type reuses the base."""
+        imatrix = any(getattr(s, "imatrix", False) for s in specs)
+        return {"base_type": options.get("base_type", "auto"),
+                "imatrix": options.get("calibration") if imatrix else None}
+
+    # -- a plain file (validate) -----------------------------------------------------------------
+
+    @staticmethod
+    def describe(path: Path) -> tuple[str, dict[str, Any]]:
+        """The variant name and spec of a plain GGUF file (or folder of parts), from its file type; a file
+        too damaged to say is named ``unknown`` (the format check then reports what is wrong)."""
+        from gguf import GGUFReader
+
+        first = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
+        try:
+            field = GGUFReader(str(first)).get_field("general.file_type")
+            name = GGUFType(int(field.contents())).name if field is not None else None
+        except Exception:
+            name = None
+        return (name, {"type": name}) if name else ("unknown", {})
+
+    @staticmethod
+    def read_structure(path: Path) -> None:
+        """Raise InvalidArtifactError when ``path`` (a file or a folder of parts) cannot be read as GGUF."""
+        for part in ([path] if path.is_file() else sorted(path.glob("*.gguf"))):
+            gguf_structure(part)
+
+    @staticmethod
+    def sanity(model: Path, files: list[Path]) -> tuple[str, dict[str, Any]]:
+        """Every part checked with gguf-py (architecture, file type, tensors, tokenizer). Raises
+        InvalidArtifactError."""
+        parts = sorted(p for p in files if p.name.endswith(".gguf"))
+        summary = gguf_sanity(parts[0])
+        for part in parts[1:]:
+            gguf_sanity(part, first_part=False)
+        return (f"GGUF {summary['architecture']} file type {summary['file_type']}, {summary['tensors']} tensors, "
+                f"tokenizer {summary['tokenizer_model']}"), summary
+
+    def tokenizer_parity(self, model: Path, checkpoint: Path, texts: dict[str, str], log_dir: Path,
+                         settings: Settings) -> dict[str, Any]:
+        """The GGUF's tokenization of the probe and ``texts`` against the HF tokenizer of ``checkpoint``.
+        Raises TokenizerMismatchError at the first differing token."""
+        return check_parity(model, checkpoint, python=self.python, env=tool_env(), log_dir=log_dir, timeout_s=600,
+                            allow=False, texts=texts)
+
+    @staticmethod
+    def recorded_options(lineage: dict[str, Any], artifact: Callable[[str, str], Path | None],
+                         work: Path) -> GGUFOptions:
+        """The options a registered variant was built with, for rebuilding it: ``lineage["options"]``
+        (versions registered before it was recorded: what ``lineage["parameters"]`` shows). The imatrix
+        calibration text is the registry's copy (``artifact(kind, key)`` finds a source artifact's file), so
+        a rebuild needs no file of the first machine.
+
+        Raises NotFoundError when the calibration text is no longer in the registry.
+        """
+        params = lineage.get("parameters") or {}
+        options = dict(lineage.get("options") or {})
+        if not options:
+            split = params.get("split") or {}
+            options = {"base_type": params.get("base_type", "auto"), "split_max_size": split.get("max_size")}
+        imatrix = params.get("imatrix")
+        if imatrix:
+            digest = imatrix["calibration_sha256"]
+            stored = artifact("calibration", digest)
+            if stored is None:
+                raise NotFoundError(f"the imatrix calibration text (sha256 {digest[:16]}…) recorded in the lineage "
+                                    "is not in the registry", hint="register the variant again to store it")
+            text = work / f"calibration-{digest[:16]}.txt"
+            shutil.copyfile(stored, text)
+            options["calibration"] = {**(options.get("calibration") or {}), "file": str(text),
+                                      "chunks": imatrix.get("chunks_requested"), "context": imatrix.get("context", 512)}
+        return GGUFOptions.model_validate(options)
 
     # -- identity and checks ---------------------------------------------------------------------
 
@@ -148,41 +227,94 @@ class GGUFConverter:
             self._prepare_imatrix(ctx, prepared, base, base_type)
         return prepared
 
-    def imatrix_key(self, base_type: str) -> str:
-        """Key of the importance matrix this converter's calibration gives (with the source)."""
-        if self.imatrix is None:
+    # -- the importance matrix -------------------------------------------------------------------
+
+    def calibration_file(self, ctx: BuildContext) -> tuple[Path, str]:
+        """The imatrix calibration text as a content-addressed file under the work dir (its stem is its
+        sha256), and where it came from: ``options.calibration.file``, else the run's calibration text
+        (the checkpoint's own, else the built-in one).
+
+        Raises ConfigError when the calibration file does not exist or the run has no calibration text.
+        """
+        name = self.options.calibration.file
+        if name:
+            path = Path(name).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"calibration text {path} does not exist", hint="pass an existing --calibration FILE")
+            data, origin = path.read_bytes(), f"file:{path.name}"
+        elif ctx.calibration is not None:
+            data, origin = ctx.calibration.text.encode("utf-8"), ctx.calibration.origin
+        else:
             raise ConfigError("imatrix quants were requested but no calibration text was given",
                               hint="pass --imatrix (the default calibration text is used without --calibration)")
-        return self.imatrix.key(base_type, self.tool_identity())
+        path = ctx.settings.work_root / "calibration" / f"{hashlib.sha256(data).hexdigest()}.txt"
+        if not path.is_file():
+            write_atomic(path, data)
+        return path, origin
+
+    def imatrix_request(self, ctx: BuildContext) -> ImatrixRequest:
+        path, origin = self.calibration_file(ctx)
+        return ImatrixRequest(calibration=path, origin=origin, chunks=self.options.calibration.chunks,
+                              context=self.options.calibration.context)
+
+    def imatrix_key(self, ctx: BuildContext) -> str:
+        """Key of the importance matrix this run's calibration gives on this source's base."""
+        base_type = choose_base_type(ctx.checkpoint, self.base_type)
+        return self.imatrix_request(ctx).key(base_type, self.tool_identity())
+
+    def artifact_keys(self, ctx: BuildContext, specs: list[Any]) -> list[tuple[str, str]]:
+        """Registry artifacts :meth:`prepare` can reuse: the importance matrix, when a variant needs one."""
+        return [(IMATRIX_KIND, self.imatrix_key(ctx))] if any(getattr(s, "imatrix", False) for s in specs) else []
+
+    def build_inputs(self, ctx: BuildContext, spec: GGUFSpec) -> dict[str, Any]:
+        """Inputs besides the spec that change a variant's bytes (part of its build key): a forced base type,
+        the split size, and for imatrix quants the calibration text, chunks and context."""
+        out: dict[str, Any] = {}
+        if self.options.base_type != "auto":
+            out["base_type"] = self.options.base_type
+        if self.options.split_max_size:
+            out["split_max_size"] = self.options.split_max_size
+        if spec.imatrix:
+            path, _ = self.calibration_file(ctx)
+            out["imatrix"] = {"calibration_sha256": path.stem, "chunks": self.options.calibration.chunks,
+                              "context": self.options.calibration.context}
+        return out
 
     def _prepare_imatrix(self, ctx: BuildContext, prepared: Prepared, base: Path, base_type: str) -> None:
-        key = self.imatrix_key(base_type)
-        assert self.imatrix is not None
-        path, meta, computed = ensure_imatrix(base, base.parent, self.imatrix, key,
+        request = self.imatrix_request(ctx)
+        key = request.key(base_type, self.tool_identity())
+        existing = ctx.artifacts.get(f"{IMATRIX_KIND}:{key}")  # the registry's copy: a cleaned work dir costs nothing
+        path, meta, computed = ensure_imatrix(base, base.parent, replace(request, existing=existing), key,
                                               bin_dir=llama_cpp_bin_dir(), env=tool_env(),
                                               threads=ctx.settings.threads, timeout_s=ctx.settings.convert_timeout_s,
                                               python=self.python, keep=failure_log_dir(ctx.settings.logs_root))
         prepared.paths["imatrix"] = str(path)
-        prepared.paths["calibration"] = str(self.imatrix.calibration)
+        prepared.paths["calibration"] = str(request.calibration)
         prepared.meta["imatrix"] = meta
         if computed:
             prepared.events.append("imatrix")
+        # registered as artifacts of the source (idempotent), so that another run or machine reuses them
+        digest = meta["calibration_sha256"]
+        prepared.source_artifacts += [
+            {"kind": "calibration", "key": digest, "name": f"{ctx.file_stem}-calibration-{digest[:12]}.txt",
+             "path": str(request.calibration),
+             "meta": {"sha256": digest, "origin": meta["calibration_origin"], "bytes": meta["calibration_bytes"]}},
+            {"kind": IMATRIX_KIND, "key": meta["key"], "name": f"{ctx.file_stem}-imatrix-{meta['key'][:12]}.gguf",
+             "path": str(path), "meta": {**meta, "base_type": base_type}}]
 
     def _convert(self, ctx: BuildContext, base_type: str, dest: Path) -> None:
         need = int(ctx.checkpoint.n_params * 2 * 1.05) + (ctx.settings.disk_headroom_mb << 20)
         free = shutil.disk_usage(dest.parent).free
         if need > free:
             raise DiskFullError(dest.parent, needed=need, free=free)
-        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.incomplete")  # unique: concurrent runs never clash
-        cmd = [self.python, str(self.tools_dir / "convert_hf_to_gguf.py"), str(ctx.checkpoint.path),
-               "--outfile", str(tmp), "--outtype", base_type.lower(), "--model-name", ctx.file_stem]
-        env = child_env(pythonpath=[self.tools_dir / "gguf-py", self.tools_dir])
-        res = run_logged(cmd, log_dir=dest.parent, name="convert", timeout_s=ctx.settings.convert_timeout_s,
-                         env=env, keep=failure_log_dir(ctx.settings.logs_root))
-        if not res.ok:
-            tmp.unlink(missing_ok=True)
-            raise _conversion_error(res.stderr_tail, res.describe(), res.log, ctx.checkpoint)
-        os.replace(tmp, dest)
+        with atomic_path(dest) as tmp:  # unique name: concurrent runs never clash; removed on failure
+            cmd = [self.python, str(self.tools_dir / "convert_hf_to_gguf.py"), str(ctx.checkpoint.path),
+                   "--outfile", str(tmp), "--outtype", base_type.lower(), "--model-name", ctx.file_stem]
+            env = child_env(pythonpath=[self.tools_dir / "gguf-py", self.tools_dir])
+            res = run_logged(cmd, log_dir=dest.parent, name="convert", timeout_s=ctx.settings.convert_timeout_s,
+                             env=env, keep=failure_log_dir(ctx.settings.logs_root))
+            if not res.ok:
+                raise _conversion_error(res.stderr_tail, res.describe(), res.log, ctx.checkpoint)
 
     # -- variants --------------------------------------------------------------------------------
 
@@ -209,7 +341,7 @@ class GGUFConverter:
         _check_output(out, info, spec, base_info)
         parity = check_parity(out, ctx.checkpoint.path, python=self.python, env=tool_env(), log_dir=out_dir,
                               timeout_s=ctx.settings.convert_timeout_s, allow=self.options.allow_tokenizer_mismatch,
-                              texts=ctx.texts, keep=failure_log_dir(ctx.settings.logs_root))
+                              texts=self._parity_texts(ctx, spec), keep=failure_log_dir(ctx.settings.logs_root))
         parts = [out]
         if self.options.split_max_size:
             parts = split_gguf(out, self.options.split_max_size, bin_dir=llama_cpp_bin_dir(), env=tool_env(),
@@ -226,27 +358,32 @@ class GGUFConverter:
         return BuiltVariant(variant=spec.name, files={p.name: p for p in parts}, tool=self.tool_identity(),
                             parameters=params, events=events, info=info)
 
+    def _parity_texts(self, ctx: BuildContext, spec: GGUFSpec) -> dict[str, str]:
+        """The run's texts, plus the imatrix calibration file this variant was calibrated on."""
+        if not (spec.imatrix and self.options.calibration.file):
+            return ctx.texts
+        path, origin = self.calibration_file(ctx)
+        return {**ctx.texts, origin: path.read_text(encoding="utf-8")}
+
     def _quantize(self, ctx: BuildContext, base: Path, out: Path, spec: GGUFSpec, prepared: Prepared) -> None:
         need = base.stat().st_size + (ctx.settings.disk_headroom_mb << 20)
         free = shutil.disk_usage(out.parent).free
         if need > free:
             raise DiskFullError(out.parent, needed=need, free=free)
-        tmp = out.with_name(out.name + ".incomplete")
-        request = {"input": str(base), "output": str(tmp), "ftype": spec.file_type,
-                   "nthread": ctx.settings.threads,
-                   "imatrix": prepared.paths.get("imatrix") if spec.imatrix else None,
-                   "bin_dir": str(llama_cpp_bin_dir())}
-        res = run_logged([self.python, "-m", WORKER], log_dir=out.parent, name=f"quantize-{spec.name}",
-                         timeout_s=ctx.settings.convert_timeout_s, env=tool_env(),
-                         stdin_text=json.dumps(request), keep=failure_log_dir(ctx.settings.logs_root))
-        if not res.ok:
-            tmp.unlink(missing_ok=True)
-            if res.disk_full:
-                raise DiskFullError(out.parent, needed=need)
-            raise ConversionError(f"llama.cpp quantization to {spec.type} {res.describe()}",
-                                  stderr_tail=res.stderr_tail,
-                                  hint=f"see the log {res.log}")
-        os.replace(tmp, out)
+        with atomic_path(out) as tmp:  # llama-quantize writes it; removed on failure
+            request = {"input": str(base), "output": str(tmp), "ftype": spec.file_type,
+                       "nthread": ctx.settings.threads,
+                       "imatrix": prepared.paths.get("imatrix") if spec.imatrix else None,
+                       "bin_dir": str(llama_cpp_bin_dir())}
+            res = run_logged([self.python, "-m", WORKER], log_dir=out.parent, name=f"quantize-{spec.name}",
+                             timeout_s=ctx.settings.convert_timeout_s, env=tool_env(),
+                             stdin_text=json.dumps(request), keep=failure_log_dir(ctx.settings.logs_root))
+            if not res.ok:
+                if res.disk_full:
+                    raise DiskFullError(out.parent, needed=need)
+                raise ConversionError(f"llama.cpp quantization to {spec.type} {res.describe()}",
+                                      stderr_tail=res.stderr_tail,
+                                      hint=f"see the log {res.log}")
 
 
 def _conversion_error(stderr: str, how: str, log: Path | None, ckpt: Checkpoint) -> Exception:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any
 from converters.checkpoint import file_sha256
 from converters.gguf_tokenizer import gguf_tokens
 from pipeline.errors import ConfigError, ConversionError
+from pipeline.fs import atomic_path, write_atomic
 from pipeline.proc import run_logged
 
 
@@ -65,14 +65,13 @@ def ensure_imatrix(base: Path, folder: Path, request: ImatrixRequest, key: str, 
         return out, dict(json.loads(marker.read_text())), False
     computed = request.existing is None
     if request.existing is not None:
-        tmp = out.with_name(out.name + ".incomplete")
-        shutil.copyfile(request.existing, tmp)
-        os.replace(tmp, out)
+        with atomic_path(out) as tmp:
+            shutil.copyfile(request.existing, tmp)
     else:
         _run_imatrix(base, out, request, bin_dir=bin_dir, env=env, threads=threads, timeout_s=timeout_s,
                      python=python, keep=keep)
     meta = {**imatrix_record(out, request), "key": key}
-    marker.write_text(json.dumps(meta))
+    write_atomic(marker, json.dumps(meta))  # last: out and marker both there mean done
     return out, meta, computed
 
 
@@ -82,25 +81,24 @@ def _run_imatrix(base: Path, out: Path, request: ImatrixRequest, *, bin_dir: Pat
     calib_name = f"calibration-{request.calibration_sha256[:16]}.txt"
     if not (folder / calib_name).is_file():
         shutil.copyfile(request.calibration, folder / calib_name)
-    tmp = out.with_name(out.stem + ".incomplete.gguf")  # llama-imatrix wants the .gguf suffix
-    cmd = [str(bin_dir / "llama-imatrix"), "-m", str(base), "-f", calib_name, "-o", tmp.name,
-           "-c", str(request.context), "-t", str(threads), "--no-ppl"]
-    if request.chunks is not None:
-        cmd += ["--chunks", str(request.chunks)]
-    res = run_logged(cmd, log_dir=folder, name="imatrix", timeout_s=timeout_s, env=env, cwd=folder, keep=keep)
-    if not res.ok or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        # llama-imatrix's log is asynchronous and can be lost when it exits early: count the tokens ourselves
-        text = request.calibration.read_text(encoding="utf-8")
-        n_tokens = len(gguf_tokens(base, python=python, env=env, log_dir=folder, timeout_s=timeout_s, text=text)[0])
-        if n_tokens < 2 * request.context:
-            raise ConfigError(
-                f"the calibration text ({request.origin}) is too short for an importance matrix: it is {n_tokens} "
-                f"tokens and llama-imatrix needs at least {2 * request.context} (two chunks of {request.context})",
-                hint="pass a longer --calibration FILE")
-        raise ConversionError(f"llama-imatrix {res.describe()} on {base.name}", stderr_tail=res.stderr_tail,
-                              hint=f"see the log {res.log}")
-    os.replace(tmp, out)
+    with atomic_path(out, suffix=".gguf") as tmp:  # llama-imatrix picks its output format by the suffix
+        cmd = [str(bin_dir / "llama-imatrix"), "-m", str(base), "-f", calib_name, "-o", tmp.name,
+               "-c", str(request.context), "-t", str(threads), "--no-ppl"]
+        if request.chunks is not None:
+            cmd += ["--chunks", str(request.chunks)]
+        res = run_logged(cmd, log_dir=folder, name="imatrix", timeout_s=timeout_s, env=env, cwd=folder, keep=keep)
+        if not res.ok or not tmp.is_file():  # raising removes the partial output
+            # llama-imatrix's log is asynchronous and can be lost when it exits early: count the tokens ourselves
+            text = request.calibration.read_text(encoding="utf-8")
+            n_tokens = len(gguf_tokens(base, python=python, env=env, log_dir=folder, timeout_s=timeout_s,
+                                       text=text)[0])
+            if n_tokens < 2 * request.context:
+                raise ConfigError(
+                    f"the calibration text ({request.origin}) is too short for an importance matrix: it is "
+                    f"{n_tokens} tokens and llama-imatrix needs at least {2 * request.context} (two chunks of "
+                    f"{request.context})", hint="pass a longer --calibration FILE")
+            raise ConversionError(f"llama-imatrix {res.describe()} on {base.name}", stderr_tail=res.stderr_tail,
+                                  hint=f"see the log {res.log}")
 
 
 def imatrix_record(path: Path, request: ImatrixRequest) -> dict[str, Any]:

@@ -18,21 +18,25 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from converters import converter_class
 from converters.base import BuildContext, BuiltVariant, Calibration, Prepared
 from converters.checkpoint import Checkpoint, load_checkpoint
+from converters.lookup import converter_class
 from converters.source import HubOptions, resolve_source
-from evaluators import engine_for, get_evaluator
 from evaluators.base import EvalOutcome
+from evaluators.engines import engine_for, get_evaluator
 from evaluators.reference import reference_key, run_reference
 from evaluators.windows import build_window_set
 from pipeline import __version__
 from pipeline.config import Settings
-from pipeline.demo_model import CALIB_TEXT, EVAL_TEXT, DemoRecipe, corpus
-from pipeline.errors import ConfigError, QuantyardError
+from pipeline.errors import InvalidArtifactError, QuantyardError
+from pipeline.formats import format_info
+from pipeline.fs import incomplete_pid
 from pipeline.plan import EvalSpec, Plan
-from pipeline.real_model import RealRecipe, cached_real_model, text_origin
-from pipeline.specs import QuantFormat, SourceKind, SourceRef, spec_digest, validate_model_name
+from pipeline.real_model import RealRecipe, cached_real_model
+from pipeline.specs import SourceKind, SourceRef, spec_digest, validate_model_name
+from pipeline.texts import calibration_text as pick_calibration_text
+from pipeline.texts import eval_text as pick_eval_text
+from pipeline.texts import text_sha256
 from registry import open_registry
 from registry.store import RegisterRequest, VersionView
 
@@ -76,11 +80,12 @@ def hub_options(settings: Settings) -> HubOptions:
     return HubOptions(endpoint=settings.hf_endpoint, cache_dir=settings.hf_cache_dir, offline=settings.hf_offline)
 
 
-def make_converter(fmt: str, plan: Plan, settings: Settings, imatrix: Any = None) -> Any:
+def make_converter(fmt: str, plan: Plan, settings: Settings) -> Any:
+    """The converter of ``fmt`` for this plan: ``cls(settings)``, plus the plan's options of the format
+    when it has any (FormatInfo.plan_options)."""
     cls = converter_class(fmt)
-    if fmt == "gguf":
-        return cls(settings.llama_cpp_tools_dir, python=settings.core_python, options=plan.gguf, imatrix=imatrix)
-    return cls(settings)
+    field = format_info(fmt).plan_options
+    return cls(settings) if field is None else cls(settings, options=getattr(plan, field))
 
 
 def resolve_backends(plan: Plan, settings: Settings) -> Plan:
@@ -88,7 +93,7 @@ def resolve_backends(plan: Plan, settings: Settings) -> Plan:
     ExLlamaV2 are present, else reference-cpu), so names, build keys and lineage say which built it."""
     variants: dict[str, Any] = {}
     for spec in plan.variants:
-        conv = make_converter(spec.format.value, plan, settings)
+        conv = make_converter(str(spec.format), plan, settings)
         concrete = conv.resolve_spec(spec) if hasattr(conv, "resolve_spec") else spec
         variants.setdefault(concrete.name, concrete)  # "auto" and an explicit backend may now coincide
     return plan.model_copy(update={"variants": tuple(variants.values())})
@@ -111,13 +116,16 @@ def build_key(source: SourceRef, spec: Any, tool: dict[str, Any], inputs: dict[s
 
 
 def build_inputs(plan: Plan, resolved: Resolved, spec: Any, settings: Settings) -> dict[str, Any]:
-    """Inputs besides the spec and tools that change a variant's bytes (see :func:`build_key`)."""
-    from flows import gguf_steps
-
-    if spec.format == QuantFormat.AWQ:
-        compute = make_converter("awq", plan, settings).compute_dtype(resolved.checkpoint)
-        return {"compute_dtype": compute} if compute else {}
-    return gguf_steps.build_inputs(plan, resolved, spec, settings)
+    """Inputs besides the spec and tools that change a variant's bytes (see :func:`build_key`): what the
+    converter's ``build_inputs`` says (GGUF: forced base type, split size, imatrix calibration; AWQ: the
+    compute dtype), none for a converter without it."""
+    conv = make_converter(str(spec.format), plan, settings)
+    if not hasattr(conv, "build_inputs"):
+        return {}
+    text, origin = calibration_text(resolved)
+    ctx = BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
+                       settings=settings, calibration=Calibration(text=text, origin=origin))
+    return dict(conv.build_inputs(ctx, spec))
 
 
 def find_existing(settings: Settings, resolved: Resolved, spec: Any, key: str) -> VersionView | None:
@@ -134,12 +142,13 @@ def _context(plan: Plan, resolved: Resolved, settings: Settings) -> BuildContext
 
 def run_texts(plan: Plan, resolved: Resolved) -> dict[str, str]:
     """The texts a run measures and calibrates on, by origin: the evaluation text (when the plan
-    evaluates) and the calibration text the plan names, else the checkpoint's own."""
+    evaluates) and the checkpoint's own calibration text (a converter adds the text a variant was calibrated
+    on when it differs, see converters/gguf.py)."""
     texts = {}
     if plan.eval.enabled:
         text, origin = eval_text(plan.eval, resolved)
         texts[origin] = text
-    text, origin = calibration_text(resolved, plan.gguf.calibration.file)
+    text, origin = calibration_text(resolved)
     texts.setdefault(origin, text)
     return texts
 
@@ -148,12 +157,7 @@ def prepare_format(fmt: str, plan: Plan, resolved: Resolved, specs: list[Any], s
     """Shared work of a format (the GGUF base and, for imatrix quants, the imatrix; the EXL2 measurement).
     Source artifacts the converter can reuse are looked up in the registry first; the ones it produced
     (EXL2 measurement, imatrix and its calibration text) are registered after."""
-    from flows import gguf_steps
-
-    imatrix = None
-    if fmt == "gguf" and any(getattr(s, "imatrix", False) for s in specs):
-        imatrix = gguf_steps.imatrix_request(plan, resolved, settings)
-    conv = make_converter(fmt, plan, settings, imatrix=imatrix)
+    conv = make_converter(fmt, plan, settings)
     ctx = _context(plan, resolved, settings)
     reg = open_registry(settings)
     found = {}
@@ -162,12 +166,10 @@ def prepare_format(fmt: str, plan: Plan, resolved: Resolved, specs: list[Any], s
         if art is not None:
             found[f"{kind}:{key}"] = reg.artifact_path(art)
     prepared: Prepared = conv.prepare(replace(ctx, artifacts=found), specs)
-    for art in prepared.source_artifacts:
+    for made in prepared.source_artifacts:
         reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
-                                source=resolved.source, kind=art["kind"], key=art["key"], name=art["name"],
-                                path=Path(art["path"]), meta=art["meta"])
-    if imatrix is not None:
-        gguf_steps.register_imatrix(settings, resolved, prepared, ctx.file_stem)
+                                source=resolved.source, kind=made["kind"], key=made["key"], name=made["name"],
+                                path=Path(made["path"]), meta=made["meta"])
     return prepared
 
 
@@ -187,7 +189,7 @@ def lineage(plan: Plan, resolved: Resolved, spec: Any, built: BuiltVariant, key:
                    "torch_dtype": resolved.checkpoint.torch_dtype},
         "spec": spec.model_dump(mode="json"),
         "spec_digest": spec_digest(spec),
-        "options": plan.build_options(spec.format.value),
+        "options": plan.build_options(str(spec.format)),
         "tool": built.tool,
         "parameters": built.parameters,
         "info": built.info,
@@ -203,7 +205,7 @@ def register(settings: Settings, plan: Plan, resolved: Resolved, spec: Any, buil
     reg = open_registry(settings)
     return reg.register_version(RegisterRequest(
         model=resolved.model_name, architecture=resolved.architecture, source=resolved.source,
-        variant=spec.name, format=spec.format.value, spec=spec.model_dump(mode="json"), build_key=key,
+        variant=spec.name, format=str(spec.format), spec=spec.model_dump(mode="json"), build_key=key,
         lineage=lineage(plan, resolved, spec, built, key), files=built.files, force=plan.force))
 
 
@@ -211,53 +213,13 @@ def register(settings: Settings, plan: Plan, resolved: Resolved, spec: Any, buil
 
 
 def eval_text(spec: EvalSpec, resolved: Resolved) -> tuple[str, str]:
-    """The evaluation text and where it came from: --eval-text, a dataset, the checkpoint's own
-    held-out ``eval.txt`` (the demo), or the demo corpus' held-out split (offline default)."""
-    if spec.text_file:
-        path = Path(spec.text_file).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"evaluation text {path} does not exist", hint="pass an existing --eval-text file")
-        return path.read_text(encoding="utf-8"), f"file:{path.name}"
-    if spec.dataset:
-        return _dataset_text(spec.dataset), f"dataset:{spec.dataset}"
-    own = resolved.checkpoint.path / EVAL_TEXT
-    if own.is_file():
-        return own.read_text(encoding="utf-8"), text_origin(resolved.checkpoint.path, EVAL_TEXT)
-    return corpus(DemoRecipe())["eval"], "builtin:python-stdlib-heldout"
+    """The evaluation text of ``spec`` on this source and where it came from (pipeline.texts.eval_text)."""
+    return pick_eval_text(resolved.checkpoint.path, file=spec.text_file, dataset=spec.dataset)
 
 
 def calibration_text(resolved: Resolved, path: str | None = None) -> tuple[str, str]:
-    if path:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise ConfigError(f"calibration text {p} does not exist")
-        return p.read_text(encoding="utf-8"), f"file:{p.name}"
-    own = resolved.checkpoint.path / CALIB_TEXT
-    if own.is_file():
-        return own.read_text(encoding="utf-8"), text_origin(resolved.checkpoint.path, CALIB_TEXT)
-    return corpus(DemoRecipe())["calib"], "builtin:python-stdlib-calibration"
-
-
-def parse_dataset_spec(spec: str) -> tuple[str, str | None, str, str]:
-    """``NAME:SPLIT``, ``NAME:CONFIG:SPLIT`` or ``NAME:CONFIG:SPLIT:COLUMN`` → (name, config, split, column)."""
-    parts = spec.split(":")
-    if len(parts) == 2:
-        return parts[0], None, parts[1], "text"
-    if len(parts) in (3, 4):
-        return parts[0], parts[1] or None, parts[2], parts[3] if len(parts) == 4 else "text"
-    raise ConfigError(f"invalid dataset spec {spec!r}: expected NAME:SPLIT or NAME:CONFIG:SPLIT[:COLUMN]",
-                      hint="e.g. wikitext:wikitext-2-raw-v1:test")
-
-
-def _dataset_text(spec: str) -> str:
-    try:
-        import datasets  # optional dependency
-    except ImportError as exc:
-        raise ConfigError("--eval-dataset needs the optional 'datasets' package",
-                          hint="pip install datasets (and be online), or pass --eval-text FILE") from exc
-    name, config, split, column = parse_dataset_spec(spec)
-    ds = datasets.load_dataset(name, config, split=split)
-    return "\n\n".join(str(t) for t in ds[column])
+    """The calibration text (``path``, else the checkpoint's own, else the built-in one; pipeline.texts)."""
+    return pick_calibration_text(resolved.checkpoint.path, path)
 
 
 def ensure_window_set(settings: Settings, resolved: Resolved, spec: EvalSpec) -> tuple[Path, dict[str, Any], bool]:
@@ -266,7 +228,7 @@ def ensure_window_set(settings: Settings, resolved: Resolved, spec: EvalSpec) ->
     Returns (path to the npz in the blob store, its metadata, whether it was built now).
     """
     text, origin = eval_text(spec, resolved)
-    fields: dict[str, Any] = {"text": hashlib.sha256(text.encode()).hexdigest(), "window": spec.window,
+    fields: dict[str, Any] = {"text": text_sha256(text), "window": spec.window,
                                "stride": spec.stride, "max_windows": spec.max_windows}
     if spec.score_from != 1:  # only when set, so registries made before the option keep their keys
         fields["score_from"] = spec.score_from
@@ -337,15 +299,21 @@ def sweep_stale(settings: Settings) -> list[Path]:
         if not root.is_dir():
             continue
         for entry in root.iterdir():
-            pid = entry.name.split("-", 1)[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            owner = entry.name.split("-", 1)[0]
+            if owner.isdigit() and not _pid_alive(int(owner)):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
-    for partial in settings.work_root.glob("*/*/*.incomplete"):  # e.g. gguf-base/<key>/x.gguf.<pid>.incomplete
-        pid = partial.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+    # pipeline.fs names, files or folders: gguf-base/<key>/x.gguf.<pid>-<hex>.incomplete,
+    # imatrix-<key>.gguf.<pid>-<hex>.incomplete.gguf, an AWQ output folder <variant>.<pid>-<hex>.incomplete
+    for partial in sorted(settings.work_root.rglob("*.incomplete*")):
+        pid = incomplete_pid(partial)
+        if pid is None or _pid_alive(pid) or not (partial.exists() or partial.is_symlink()):
+            continue  # not ours, still being written, or inside a folder removed just before
+        if partial.is_dir() and not partial.is_symlink():
+            shutil.rmtree(partial, ignore_errors=True)
+        else:
             partial.unlink(missing_ok=True)
-            removed.append(partial)
+        removed.append(partial)
     return removed
 
 
@@ -390,11 +358,18 @@ def _error_text(exc: QuantyardError) -> str:
 
 
 def model_path(fmt: str, files: list[Path], folder: Path) -> Path:
-    """What an engine loads: the (first) GGUF file, or the folder for directory formats."""
-    if fmt == "gguf":
-        ggufs = sorted(f for f in files if f.suffix == ".gguf")
-        return ggufs[0]
-    return folder
+    """What an engine loads: the (first) file of a single-file format (the first part of a split GGUF), or
+    the folder.
+
+    Raises InvalidArtifactError when a single-file format's version holds no such file."""
+    info = format_info(fmt)
+    if not info.single_file:
+        return folder
+    found = sorted(f for f in files if f.suffix == info.suffix)
+    if not found:
+        raise InvalidArtifactError(f"{folder} holds no {info.suffix} file of a {info.label} variant",
+                                   hint="check the version's files with `quantyard show`")
+    return found[0]
 
 
 def real_checkpoint(settings: Settings, recipe: RealRecipe | None = None) -> Path:

@@ -18,18 +18,16 @@ import hashlib
 import io
 import json
 import math
-import os
 import shutil
-import sysconfig
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.fs import atomic_path
 from pipeline.specs import Frozen
+from pipeline.texts import CALIB_TEXT, EVAL_TEXT, MAX_CALIB_BYTES, MAX_EVAL_BYTES, MAX_TRAIN_BYTES, builtin_corpus
 
-EVAL_TEXT = "eval.txt"
-CALIB_TEXT = "calibration.txt"
 RECIPE_FILE = "quantyard-demo.json"
 
 
@@ -46,33 +44,16 @@ class DemoRecipe(Frozen):
     lr: float = 3e-3
     seed: int = 0
     threads: int = 2
-    max_train_bytes: int = 3_000_000
-    max_eval_bytes: int = 120_000
-    max_calib_bytes: int = 120_000
+    max_train_bytes: int = MAX_TRAIN_BYTES
+    max_eval_bytes: int = MAX_EVAL_BYTES
+    max_calib_bytes: int = MAX_CALIB_BYTES
     tie_embeddings: bool = False
     dtype: str = "float32"
 
 
-def _split_of(name: str) -> str:
-    bucket = int(hashlib.sha256(name.encode()).hexdigest(), 16) % 20
-    return "eval" if bucket == 0 else "calib" if bucket == 1 else "train"
-
-
 def corpus(recipe: DemoRecipe) -> dict[str, str]:
-    """Return the train / calib / eval texts from the stdlib's top-level modules."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    parts: dict[str, list[str]] = {"train": [], "calib": [], "eval": []}
-    caps = {"train": recipe.max_train_bytes, "calib": recipe.max_calib_bytes, "eval": recipe.max_eval_bytes}
-    used = dict.fromkeys(parts, 0)
-    for path in sorted(stdlib.glob("*.py")):
-        split = _split_of(path.name)
-        if used[split] >= caps[split]:
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        text = text[: caps[split] - used[split]]
-        parts[split].append(text)
-        used[split] += len(text)
-    return {k: "\n".join(v) for k, v in parts.items()}
+    """The train / calib / eval texts of ``recipe`` (the built-in corpus, see pipeline.texts)."""
+    return builtin_corpus(recipe.max_train_bytes, recipe.max_calib_bytes, recipe.max_eval_bytes)
 
 
 def recipe_key(recipe: DemoRecipe, texts: dict[str, str]) -> str:
@@ -222,15 +203,10 @@ def cached_demo_model(cache_dir: Path, recipe: DemoRecipe | None = None,
     final = cache_dir / "demo" / key
     if (final / RECIPE_FILE).exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
     try:
-        build_demo_model(staging / "model", recipe, progress)
-        try:
-            os.replace(staging / "model", final)
-        except OSError:
-            if not (final / RECIPE_FILE).exists():  # lost a race to another builder: theirs is as good
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with atomic_path(final) as staging:
+            build_demo_model(staging, recipe, progress)
+    except OSError:
+        if not (final / RECIPE_FILE).exists():  # lost a race to another builder: theirs is as good
+            raise
     return final

@@ -58,6 +58,7 @@ from typing import Any, Literal
 
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, EnvironmentBuildError, ToolchainMissingError
+from pipeline.fs import write_atomic
 from pipeline.proc import REPO_ROOT
 
 REQUIREMENTS_DIR = REPO_ROOT / "requirements" / "envs"
@@ -435,12 +436,7 @@ def _write_marker(path: Path, spec: EnvSpec, build: EnvBuild, accelerator: str) 
             if build.requirements.is_relative_to(REPO_ROOT) else str(build.requirements),
             "python": str(_bin_python(path)), "first": list(build.first), "remove": list(build.remove),
             "freeze": _freeze(str(_bin_python(path))), "built_at": datetime.now(UTC).isoformat()}
-    tmp = path / (MARKER + ".tmp")
-    with tmp.open("w") as fh:
-        json.dump(data, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path / MARKER)
+    write_atomic(path / MARKER, json.dumps(data, indent=1))
     return data
 
 

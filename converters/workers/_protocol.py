@@ -1,5 +1,5 @@
-"""Worker side of the converter request/result protocol (standard library only: workers run in managed
-tool environments where nothing else of Quantyard is installed).
+"""Worker side of the converter request/result protocol (standard library and the stdlib-only
+``pipeline.fs``: workers run in managed tool environments that have neither pydantic nor gguf).
 
 A worker is started as ``python -m converters.workers.NAME REQUEST.json``; the request names the
 ``result`` path, which the worker writes last and atomically: a missing result file means it died.
@@ -8,10 +8,11 @@ A worker is started as ``python -m converters.workers.NAME REQUEST.json``; the r
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from pipeline.fs import write_atomic
 
 
 def read_request(module: str, extra_usage: str = "") -> dict[str, Any]:
@@ -22,7 +23,5 @@ def read_request(module: str, extra_usage: str = "") -> dict[str, Any]:
 
 
 def write_result(path: str, result: dict[str, Any]) -> None:
-    """Write ``result`` to ``path`` atomically (temporary file, then rename)."""
-    tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
+    """Write ``result`` to ``path`` atomically (pipeline.fs: temporary file, then rename)."""
+    write_atomic(Path(path), json.dumps(result, indent=1))

@@ -9,9 +9,10 @@ exactly as given.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
+
+from pipeline.fs import atomic_path
 
 
 def main() -> int:
@@ -20,9 +21,8 @@ def main() -> int:
 
     text = Path(req["text_file"]).read_text(encoding="utf-8")
     out = Path(req["out"])
-    tmp = out.with_name(out.name + ".incomplete")
-    pandas.DataFrame({"text": [text]}).to_parquet(tmp, engine="fastparquet")
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:
+        pandas.DataFrame({"text": [text]}).to_parquet(tmp, engine="fastparquet")
     return 0
 
 

@@ -84,7 +84,7 @@ def _kill_runner_for(model_marker: str, stop: threading.Event) -> None:
                 args = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"evaluators.runners.llamacpp" not in args:
+            if b"evaluators.llamacpp.runner" not in args:
                 continue
             request = json.loads(Path(args[-2].decode()).read_text())
             if model_marker in request["model"]:
@@ -143,8 +143,8 @@ def test_flow_publishes_results_table_artifact(demo_registry_template: dict) -> 
 def test_dataset_spec_parsing() -> None:
     import pytest
 
-    from flows.steps import parse_dataset_spec
     from pipeline.errors import ConfigError
+    from pipeline.texts import parse_dataset_spec
 
     assert parse_dataset_spec("wikitext:wikitext-2-raw-v1:test") == ("wikitext", "wikitext-2-raw-v1", "test", "text")
     assert parse_dataset_spec("c4:validation") == ("c4", None, "validation", "text")

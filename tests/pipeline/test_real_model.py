@@ -18,10 +18,10 @@ from pipeline.real_model import (
     real_key,
     split_of,
     split_texts,
-    text_origin,
     wheel_dir,
     wiki_articles,
 )
+from pipeline.texts import text_origin
 
 
 def test_real_checkpoint_is_smollm2_in_bfloat16(real_model: Path) -> None:
