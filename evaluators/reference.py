@@ -20,7 +20,7 @@ from pipeline.config import Settings
 from pipeline.plan import EvalSpec
 from pipeline.specs import Engine
 
-RUNNER = "evaluators.runners.hf"
+RUNNER = "evaluators.transformers.runner"
 
 
 def reference_key(window_set_id: str, spec: EvalSpec) -> str:

@@ -70,9 +70,10 @@ def test_llmcompressor_awq_on_cuda_and_transformers_reads_it(tmp_path: Path) -> 
     ppl = {}
     for name, model in (("source", src), ("awq", tmp_path / "awq")):
         out_dir = tmp_path / f"eval-{name}"
-        _run("evaluators.runners.hf", {"model": str(model), "windows": str(tmp_path / "windows.npz"), "ref_topk": None,
-                                       "top_k": 8, "threads": 4, "dtype": "float32", "device": "cuda",
-                                       "out_dir": str(out_dir)}, tmp_path / f"{name}-req.json")
+        _run("evaluators.transformers.runner",
+             {"model": str(model), "windows": str(tmp_path / "windows.npz"), "ref_topk": None, "top_k": 8,
+              "threads": 4, "dtype": "float32", "device": "cuda", "out_dir": str(out_dir)},
+             tmp_path / f"{name}-req.json")
         with np.load(out_dir / "logprobs.npz") as z:
             ppl[name] = float(np.exp(-z["target_logprob"].mean()))
     result = {"quantize_s": quant["quantize_s"], "torch": quant["torch"], "ppl": ppl,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from converters.exl2 import EXL2Converter
-from evaluators.exl2 import EXL2ReferenceEvaluator, ExLlamaV2Evaluator
+from evaluators.exl2_reference.evaluator import EXL2ReferenceEvaluator
+from evaluators.exllamav2.evaluator import ExLlamaV2Evaluator
 from evaluators.reference import run_reference
 from evaluators.windows import build_window_set
 from pipeline.config import Settings

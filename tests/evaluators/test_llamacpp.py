@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from evaluators.base import RunnerCommand, load_arrays, run_runner
-from evaluators.llamacpp import LlamaCppEvaluator
+from evaluators.llamacpp.evaluator import LlamaCppEvaluator
 from evaluators.metrics import compare
 from evaluators.windows import WindowSet
 from pipeline.config import Settings
@@ -71,7 +71,7 @@ def test_variant_against_itself_is_exactly_zero(tmp_path: Path, demo_registry_te
     WindowSet(ids=ws.ids[:4], score_start=ws.score_start[:4], window=ws.window, stride=ws.stride,
               add_bos=ws.add_bos, text_sha256=ws.text_sha256).save(small)
     cfg = Settings(cache_dir=cache_dir, threads=2)
-    cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.runners.llamacpp")
+    cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.llamacpp.runner")
     base = {"model": str(gguf), "windows": str(small), "top_k": 32, "threads": 2}
     first = run_runner(cmd, {**base, "ref_topk": None}, tmp_path / "a", 600)
     second = run_runner(cmd, {**base, "ref_topk": str(first.arrays)}, tmp_path / "b", 600)
@@ -88,7 +88,7 @@ def _runner_pids() -> list[int]:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"evaluators.runners.llamacpp" in cmdline:
+            if b"evaluators.llamacpp.runner" in cmdline:
                 pids.append(int(entry.name))
     return pids
 
@@ -122,7 +122,7 @@ def test_sigkill_of_runner_gives_engine_error(tmp_path: Path, demo_registry_temp
 
 def _run(tmp_path: Path, cache_dir: Path, gguf: Path, windows: Path, tag: str) -> dict[str, np.ndarray]:
     cfg = Settings(cache_dir=cache_dir, threads=2)
-    cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.runners.llamacpp")
+    cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.llamacpp.runner")
     out = run_runner(cmd, {"model": str(gguf), "windows": str(windows), "ref_topk": None, "top_k": 32,
                            "threads": 2}, tmp_path / tag, 600)
     assert out.arrays is not None

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from evaluators.metrics import compare, kld_per_position, perplexity, top1_agreement
-from evaluators.runners._protocol import Collector
+from evaluators.protocol import Collector
 
 
 def _softmax_logp(x: np.ndarray) -> np.ndarray:

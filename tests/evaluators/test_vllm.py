@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evaluators.runners.vllm import DEQUANTIZED, KERNEL_DTYPES, NATIVE, choose_dtype, dense_rows, dtype_record
-from evaluators.vllm import CPU_CAPS, GPU_SHAPE, VLLMEvaluator, cpu_kernels, speed_shape
+from evaluators.vllm.evaluator import CPU_CAPS, GPU_SHAPE, VLLMEvaluator, cpu_kernels, speed_shape
+from evaluators.vllm.runner import DEQUANTIZED, KERNEL_DTYPES, NATIVE, choose_dtype, dense_rows, dtype_record
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.cpu import cpu_flags

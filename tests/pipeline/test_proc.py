@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evaluators.llamacpp import LlamaCppEvaluator
+from evaluators.llamacpp.evaluator import LlamaCppEvaluator
 from evaluators.windows import cut_windows
 from pipeline import proc
 from pipeline.errors import EngineError

@@ -17,7 +17,9 @@ import pytest
 from registry import open_registry
 
 TYPES = "Q8_0,Q4_K_M"
-OUR_CHILDREN = (b"convert_hf_to_gguf.py", b"converters.workers", b"evaluators.runners")
+# every engine's runner runs as `python -m evaluators.<engine>.runner`
+OUR_CHILDREN = (b"convert_hf_to_gguf.py", b"converters.workers", b"evaluators.llamacpp.runner",
+                b"evaluators.vllm.runner", b"evaluators.exllamav2.runner", b"evaluators.transformers.runner")
 
 
 def _children_matching(marker: bytes, tag: str) -> list[int]:
@@ -120,7 +122,7 @@ def test_kill_at_each_stage_then_resume(tmp_path: Path, demo_model: Path, prefec
     # 3. during registration: the register task starts as soon as the build task has finished
     _run_and_kill(cmd, env, log_line="Task run 'build-Q4_K_M' - Finished")
     # 4. during evaluation
-    _run_and_kill(cmd, env, child=b"evaluators.runners.llamacpp")
+    _run_and_kill(cmd, env, child=b"evaluators.llamacpp.runner")
 
     report = _complete(cmd, env)
     events = report["events"]

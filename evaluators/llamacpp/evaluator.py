@@ -12,7 +12,7 @@ from pipeline.plan import EvalSpec
 from pipeline.proc import child_env, with_path_prefix
 from pipeline.specs import Engine, QuantFormat
 
-RUNNER = "evaluators.runners.llamacpp"
+RUNNER = "evaluators.llamacpp.runner"
 
 
 def _bin_dir() -> Path:

@@ -1,6 +1,6 @@
 """Reference cross-check: transformers evaluates a quantized checkpoint on the same windows.
 
-For AWQ the runner is ``evaluators.runners.hf`` in the ``awq`` tool environment, whose
+For AWQ the runner is ``evaluators.transformers.runner`` in the ``awq`` tool environment, whose
 transformers + compressed-tensors decompress the checkpoint (``W = (q - z) * s`` per group) and run
 it in float32. That gives a second perplexity of the same file, independent of vLLM's loader and
 kernels; the two must agree (tests/evaluators/test_vllm.py checks within 0.5 %).
@@ -18,7 +18,7 @@ from pipeline.errors import ToolchainMissingError
 from pipeline.plan import EvalSpec
 from pipeline.specs import Engine, QuantFormat
 
-RUNNER = "evaluators.runners.hf"
+RUNNER = "evaluators.transformers.runner"
 ENV = "awq"
 
 

