@@ -49,7 +49,7 @@ def build_model(cfg: Settings, gguf_type: str, work: Path) -> tuple[Path, Path]:
     ckpt = load_checkpoint(demo)
     ctx = BuildContext(checkpoint=ckpt, source=resolve_source(str(demo), cache_dir=cfg.cache_dir),
                        model_name="demo", settings=cfg)
-    conv = GGUFConverter(cfg.llama_cpp_tools_dir)
+    conv = GGUFConverter(cfg)
     prepared = conv.prepare(ctx, [])
     built = conv.build(ctx, prepared, GGUFSpec(type=gguf_type), work / gguf_type)
     return next(iter(built.files.values())), demo
@@ -59,7 +59,7 @@ def ours(cfg: Settings, model: Path, windows: Path, ref: Path | None, work: Path
          tag: str) -> tuple[float, float, float, Path]:
     """(eval tok/s, wall s, perplexity, log-probs file) of our runner; with ``ref`` it also gathers at the
     reference's top-K, as a variant evaluation does."""
-    cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.runners.llamacpp")
+    cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.llamacpp.runner")
     t0 = time.perf_counter()
     out = run_runner(cmd, {"model": str(model), "windows": str(windows), "ref_topk": str(ref) if ref else None,
                            "top_k": 32, "threads": cfg.threads}, work / tag, 3600)

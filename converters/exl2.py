@@ -82,6 +82,20 @@ class EXL2Converter:
 
     # -- backends and identity -------------------------------------------------------------------
 
+    @staticmethod
+    def describe(path: Path) -> tuple[str, dict[str, Any]]:
+        """A plain EXL2 folder's variant name and spec, from its quantization_config (bits per weight)."""
+        qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        bpw = float(qc.get("bits", 4.0))
+        return f"EXL2-{bpw:g}bpw", {"bpw": bpw}
+
+    @staticmethod
+    def sanity(model: Path, files: list[Path]) -> tuple[str, dict[str, Any]]:
+        """Every layer's groups against its tensor shapes (:func:`inspect_exl2`). Raises ConversionError."""
+        summary = inspect_exl2(model)
+        return (f"EXL2 {summary['quantized_layers']} quantized layers, {summary['tensor_count']} tensors, "
+                f"decoder {summary['decoder_bpw']:.3f} bpw"), summary
+
     def resolve_spec(self, spec: EXL2Spec) -> EXL2Spec:
         """Fill in the backend: exllamav2 where it can run, else reference-cpu."""
         if spec.backend is not None:

@@ -1,6 +1,6 @@
 """Orchestrator side of the engine protocol: start a runner, contain its failures, score its output.
 
-See ``evaluators/runners/_protocol.py`` for the request and output formats.
+See ``evaluators/protocol.py`` for the request and output formats.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pipeline.config import Settings
 from pipeline.errors import EngineError
 from pipeline.plan import EvalSpec
 from pipeline.proc import child_env, failure_log_dir, keep_failed, run_logged
+from pipeline.results import EvalResult
 from pipeline.specs import Engine, QuantFormat
 
 
@@ -53,18 +54,19 @@ class EvalOutcome:
     fallback: str | None = None  # set when a reference engine stood in for the real one
     environment: dict[str, Any] | None = None  # the tool environment (EnvInfo.lineage(): exact pip freeze)
 
-    def records(self) -> list[dict[str, Any]]:
-        """Registry result records (one for quality, one for speed); a tool environment's record
-        (exact ``pip freeze``) is kept with the hardware it ran on."""
+    def records(self) -> list[EvalResult]:
+        """Registry results (one for quality, one for speed); a tool environment's record (exact
+        ``pip freeze``) is kept with the hardware it ran on."""
         hardware = {**self.hardware, "environment": self.environment} if self.environment else self.hardware
-        base = {"engine": self.engine, "engine_version": self.engine_version, "hardware": hardware,
-                "status": "ok", "wall_s": self.wall_s}
         out = []
         if self.quality is not None:
-            out.append({**base, "kind": "quality", "window_set_id": self.window_set_id,
-                        "metrics": {**self.quality, **({"fallback": self.fallback} if self.fallback else {})}})
+            metrics = {**self.quality, **({"fallback": self.fallback} if self.fallback else {})}
+            out.append(EvalResult(kind="quality", engine=self.engine, engine_version=self.engine_version,
+                                  window_set_id=self.window_set_id, metrics=metrics, hardware=hardware,
+                                  wall_s=self.wall_s))
         if self.speed is not None:
-            out.append({**base, "kind": "speed", "window_set_id": None, "metrics": self.speed})
+            out.append(EvalResult(kind="speed", engine=self.engine, engine_version=self.engine_version,
+                                  metrics=self.speed, hardware=hardware, wall_s=self.wall_s))
         return out
 
 
@@ -141,7 +143,7 @@ def probe_windows(folder: Path) -> Path:
 
 
 class Evaluator(Protocol):
-    """One engine. Implementations are listed in ``evaluators/__init__.py``."""
+    """One engine. Implementations are listed in ``evaluators/engines.py``."""
 
     engine: ClassVar[Engine]
     formats: ClassVar[frozenset[QuantFormat]]

@@ -25,10 +25,12 @@ from pydantic import BaseModel, Field
 
 from converters.checkpoint import HashCache, content_hash
 from converters.source import HubOptions, hub_errors, looks_like_hub_id
+from evaluators.engines import engine_info
 from pipeline import __version__
 from pipeline.config import Settings
 from pipeline.envs import ENVS
-from pipeline.errors import SourceNotFoundError
+from pipeline.errors import SourceNotFoundError, ToolchainMissingError
+from pipeline.formats import FORMATS, format_info
 from pipeline.plan import SourceInput
 from pipeline.proc import REPO_ROOT
 from pipeline.specs import SourceKind, SourceRef
@@ -36,20 +38,6 @@ from registry.store import Registry
 
 STAGE_KIND = "stage"
 CORE_LOCK = "requirements/core.lock"
-#: Lock files that pin a tool that is not a managed environment (paths relative to the repository).
-TOOL_LOCKS: dict[str, tuple[str, ...]] = {
-    "gguf": ("requirements/llama-cpp.lock",),
-    "llama.cpp": ("requirements/llama-cpp.lock",),
-}
-#: Managed tool environments (pipeline/envs.py) that run a format's converter or an engine.
-TOOL_ENVS: dict[str, tuple[str, ...]] = {
-    "awq": ("awq", "autoawq"),
-    "exl2": ("exl2",),
-    "vllm": ("vllm",),
-    "exllamav2": ("exl2",),
-    "transformers": ("awq",),
-}
-
 
 class StageRecord(BaseModel):
     """One finished stage: its key, where it ran, and its outputs (registry references and digests)."""
@@ -72,19 +60,36 @@ def _file_digest(rel: str) -> str:
     path = REPO_ROOT / rel
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return "missing"
+    except OSError as exc:
+        raise ToolchainMissingError(f"the lock file {rel} is not under {REPO_ROOT} ({exc.strerror}): stage keys "
+                                    "must depend on the exact tool versions it pins",
+                                    hint="run distributed stages from a checkout of Quantyard (pip install -e .), "
+                                         "where requirements/ is present") from exc
+
+
+def _pins(tool: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(lock files, managed environments) that pin ``tool``: a format (its converter) or an engine."""
+    if tool == "core":
+        return (), ()
+    if tool in FORMATS:
+        fmt = format_info(tool)
+        return fmt.tool_locks, fmt.tool_envs
+    engine = engine_info(tool)  # raises, listing the known engines, for anything else
+    return engine.tool_locks, engine.tool_envs
 
 
 def lock_hash(tool: str) -> str:
     """sha256 of the files that pin ``tool``'s environment: requirements/core.lock (the core environment
-    runs every stage), plus the tool's own lock file or managed-environment requirement files."""
+    runs every stage), plus the tool's own lock files and managed-environment requirement files
+    (FormatInfo / EngineInfo). Raises ToolchainMissingError when a lock file is absent, UnknownFormatError
+    for a tool that is neither a format nor an engine."""
+    locks, envs = _pins(tool)
     parts = {CORE_LOCK: _file_digest(CORE_LOCK)}
-    for rel in TOOL_LOCKS.get(tool, ()):
+    for rel in locks:
         parts[rel] = _file_digest(rel)
-    for env in TOOL_ENVS.get(tool, ()):
-        spec = ENVS.get(env)
-        for build in (spec.cpu, spec.cuda) if spec else ():
+    for env in envs:
+        spec = ENVS[env]
+        for build in (spec.cpu, spec.cuda):
             if build is not None:
                 rel = str(build.requirements.relative_to(REPO_ROOT))
                 parts[rel] = _file_digest(rel)

@@ -20,11 +20,13 @@ from typing import Any, Literal
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from evaluators import CROSS_CHECK_ENGINE, DEFAULT_ENGINE
+from converters.lookup import converter_class
+from evaluators.engines import engine_info, engines_of
 from flows.ledger import StageRecord, find_stage, pin_source, stage_key
 from flows.stages import STAGE_FLOWS, StageName, StageRequest, deployment_name
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, NotFoundError, QuantyardError, StageError
+from pipeline.formats import format_info
 from pipeline.plan import Plan
 from pipeline.recipe import Placement
 from pipeline.results import ConvertReport, VariantOutcome, table_rows
@@ -53,12 +55,12 @@ class Graph:
 
 
 def _prepare_spec(fmt: str, plan: Plan, specs: list[Any]) -> dict[str, Any]:
-    """What a format's shared preparation depends on. GGUF: the base type, and the imatrix calibration when a
-    variant needs one (adding a type reuses the base). Other formats: every variant of the format."""
-    if fmt == "gguf":
-        imatrix = any(getattr(s, "imatrix", False) for s in specs)
-        return {"base_type": plan.gguf.base_type,
-                "imatrix": plan.gguf.calibration.model_dump(mode="json") if imatrix else None}
+    """What a format's shared preparation depends on: the converter says (``prepare_inputs``; GGUF: the base
+    type, and the imatrix calibration when a variant needs one, so adding a type reuses the base), else every
+    variant of the format."""
+    cls = converter_class(fmt)
+    if hasattr(cls, "prepare_inputs"):
+        return dict(cls.prepare_inputs(plan.build_options(fmt), specs))
     return {"specs": [s.model_dump(mode="json") for s in specs]}
 
 
@@ -118,15 +120,13 @@ def build_graph(plan: Plan, identity: str, placement: Placement, target: dict[st
             graph.add(reg, (build.name,))
             if ref is None:
                 continue
-            engines = [DEFAULT_ENGINE[fmt]]
-            if plan.eval.cross_check and fmt in CROSS_CHECK_ENGINE:
-                engines.append(CROSS_CHECK_ENGINE[fmt])
-            for engine in engines:
+            for engine in engines_of(fmt, plan.eval.cross_check):
                 ev = request("evaluate", f"evaluate:{spec.name}:{engine}",
                              {"register": reg.key, "engine": engine, **_eval_spec(plan),
                               "eval_all": plan.eval.model_dump(mode="json")}, [engine],
-                             placement.for_engine(engine), one, {**up, "register": reg.key, "reference": ref.key},
-                             fmt=fmt, variant=spec.name, engine=engine)
+                             placement.for_engine(engine, engine_info(engine).pool), one,
+                             {**up, "register": reg.key, "reference": ref.key}, fmt=fmt, variant=spec.name,
+                             engine=engine)
                 graph.add(ev, (reg.name, ref.name))
     return graph
 
@@ -279,10 +279,10 @@ def _report(plan: Plan, identity: str, source: Any, graph: Graph, outcomes: dict
 
 
 def _outcome(spec: Any, outcomes: dict[str, dict[str, Any]], report: ConvertReport, reg: Registry) -> VariantOutcome:
-    out = VariantOutcome(variant=spec.name, format=spec.format.value)
+    out = VariantOutcome(variant=spec.name, format=str(spec.format))
     build, registered = outcomes[f"build:{spec.name}"], outcomes[f"register:{spec.name}"]
     if registered["status"] not in ("ran", "reused"):
-        failed = next(o for o in (outcomes["resolve"], outcomes[f"prepare:{spec.format.value}"], build, registered)
+        failed = next(o for o in (outcomes["resolve"], outcomes[f"prepare:{spec.format!s}"], build, registered)
                       if o["status"] not in ("ran", "reused"))
         out.status, out.error, out.error_type = "failed", failed.get("error"), "StageError"
         return out
@@ -293,16 +293,16 @@ def _outcome(spec: Any, outcomes: dict[str, dict[str, Any]], report: ConvertRepo
     out.variant = version.variant  # the concrete name (an open EXL2 backend resolved on the build worker)
     out.size, out.bpw = version.size, (version.lineage.get("info") or {}).get("bpw")
     out.events = list(((build.get("record") or {}).get("outputs") or {}).get("events") or [])
-    evaluation = outcomes.get(f"evaluate:{spec.name}:{DEFAULT_ENGINE[out.format]}")
+    evaluation = outcomes.get(f"evaluate:{spec.name}:{format_info(out.format).engine!s}")
     if evaluation is None:
         return out
     if evaluation["status"] not in ("ran", "reused"):
-        out.engine = DEFAULT_ENGINE[out.format]
+        out.engine = str(format_info(out.format).engine)
         out.eval_status, out.eval_error = "failed", evaluation.get("error")
         return out
     # The engine that really ran (a reference engine stands in where the format's own cannot run).
     evaluated = ((evaluation.get("record") or {}).get("outputs") or {})
-    engine = out.engine = evaluated.get("engine") or DEFAULT_ENGINE[out.format]
+    engine = out.engine = evaluated.get("engine") or str(format_info(out.format).engine)
     ws_id = str((report.window_set or {}).get("id", ""))
     for r in version.results:
         if r.status == "ok" and r.engine == engine and r.kind == "quality" and r.window_set_id == ws_id:

@@ -112,7 +112,7 @@ def _evaluate_all(plan: Plan, settings: Settings, resolved: steps.Resolved, repo
 
 def _evaluate_one(plan: Plan, settings: Settings, report: ConvertReport, out: VariantOutcome,
                   windows: Any, ws_meta: dict[str, Any], reference: Any) -> None:
-    from evaluators import engine_for
+    from evaluators.engines import engine_for
     from registry import open_registry
 
     assert out.ref is not None
@@ -139,13 +139,14 @@ def _evaluate_one(plan: Plan, settings: Settings, report: ConvertReport, out: Va
 def _cross_check(plan: Plan, settings: Settings, report: ConvertReport, out: VariantOutcome, windows: Any,
                  ws_meta: dict[str, Any], reference: Any) -> None:
     """A second engine on the same file (AWQ: transformers), recorded as its own result."""
-    from evaluators import CROSS_CHECK_ENGINE, get_evaluator
+    from evaluators.engines import engines_of, get_evaluator
     from registry import open_registry
 
     assert out.ref is not None
-    engine = CROSS_CHECK_ENGINE.get(out.format)
-    if engine is None or not plan.eval.cross_check:
+    engines = engines_of(out.format, plan.eval.cross_check)[1:]
+    if not engines:
         return
+    (engine,) = engines
     spec = open_registry(settings).get_version(out.ref).spec
     if get_evaluator(engine).skip_reason(spec):
         report.events.append(f"cross_check_skipped:{out.variant}")
@@ -193,7 +194,7 @@ def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
     report = ConvertReport(model=resolved.model_name, source={"identity": src.identity, "path": src.path,
                                                              "repo_id": src.repo_id, "commit": src.commit})
     report.stage_s["resolve"] = time.perf_counter() - t0
-    outcomes = {s.name: VariantOutcome(variant=s.name, format=s.format.value) for s in plan.variants}
+    outcomes = {s.name: VariantOutcome(variant=s.name, format=str(s.format)) for s in plan.variants}
     todo = _plan_builds(plan, settings, resolved, report, outcomes)
     _build_all(plan, settings, resolved, report, outcomes, todo)
     _evaluate_all(plan, settings, resolved, report, outcomes)

@@ -26,12 +26,13 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from converters.base import Prepared
-from evaluators import DEFAULT_ENGINE, engine_for, get_evaluator
+from evaluators.engines import engine_for, get_evaluator
 from evaluators.reference import reference_key
 from flows import steps
 from flows.ledger import StageRecord, Stopwatch, find_stage, record_stage
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, StageError
+from pipeline.formats import format_info
 from pipeline.plan import Plan
 from pipeline.specs import Frozen, SourceRef
 from registry import open_registry
@@ -39,10 +40,6 @@ from registry.blobs import StoredBlob
 from registry.store import RegisterRequest, Registry
 
 StageName = Literal["resolve", "prepare", "build", "register", "reference", "evaluate"]
-#: Files of a format's shared preparation that later stages on other machines need, by ``Prepared.paths``
-#: name. They are put in the blob store and found again by digest. A format not listed here prepares
-#: on the machine that builds (AWQ: the tool environment is per machine).
-SHARED_PREPARED: dict[str, tuple[str, ...]] = {"gguf": ("base", "imatrix", "calibration")}
 #: Stages that hold a slot of their pool's concurrency limit while they work.
 HEAVY_STAGES: frozenset[str] = frozenset({"prepare", "build", "reference", "evaluate"})
 
@@ -173,7 +170,9 @@ def _prepare_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | N
     with ctx.watch:
         prepared = steps.prepare_format(req.fmt, req.plan, resolved, list(req.plan.variants), ctx.settings)
     shared = {}
-    for name in SHARED_PREPARED.get(req.fmt, ()):
+    # Files of the preparation that builds on other machines need (FormatInfo.shared_prepared), by their
+    # Prepared.paths name: put in the blob store and found again by digest.
+    for name in format_info(req.fmt).shared_prepared:
         if name not in prepared.paths:
             continue
         path = Path(prepared.paths[name])
@@ -190,7 +189,7 @@ def _prepared_here(ctx: StageContext, resolved: steps.Resolved) -> Prepared:
     own names), or, for a format whose preparation is per machine, prepared here."""
     req = ctx.request
     assert req.fmt is not None
-    if req.fmt not in SHARED_PREPARED:
+    if not format_info(req.fmt).shared_prepared:  # prepared per machine (AWQ: the tool environment is)
         with ctx.watch:
             return steps.prepare_format(req.fmt, req.plan, resolved, list(req.plan.variants), ctx.settings)
     record = ctx.upstream("prepare")
@@ -276,7 +275,7 @@ def _evaluate_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | 
     evidence = ctx.upstream("reference").outputs
     ws, rf = evidence["window_set"], evidence["reference"]
     version = ctx.reg.get_version(ref)
-    default = DEFAULT_ENGINE[req.fmt]
+    default = str(format_info(req.fmt).engine)
     if req.engine == default:  # the format's engine, or the reference engine standing in for it on this machine
         engine, fallback = engine_for(req.fmt, ctx.settings)
     else:
@@ -349,5 +348,5 @@ def deployment_name(stage: str, pool: str) -> str:
     return f"{STAGE_FLOWS[stage].name}/{pool}"
 
 
-__all__ = ["BODIES", "HEAVY_STAGES", "SHARED_PREPARED", "STAGE_FLOWS", "StageRequest", "deployment_name",
+__all__ = ["BODIES", "HEAVY_STAGES", "STAGE_FLOWS", "StageRequest", "deployment_name",
            "run_stage", "stage_settings", "variant_build_key"]

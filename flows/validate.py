@@ -13,22 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from converters.exl2 import inspect_exl2
-from converters.sanity import awq_sanity, gguf_sanity, gguf_structure
-from flows import gguf_steps, steps
+from converters.lookup import converter_class
+from flows import steps
 from pipeline.checks import CheckFailed, CheckSkipped, ValidationReport
 from pipeline.config import Settings
 from pipeline.errors import (
     ConversionError,
+    IntegrityError,
     InvalidArtifactError,
     InvalidSpecError,
     NotFoundError,
     QuantyardError,
     TokenizerMismatchError,
 )
-from pipeline.plan import EvalSpec, GGUFOptions, Plan, SourceInput, SpeedSpec
+from pipeline.formats import FORMATS, format_info, parse_variant_spec
+from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec
 from pipeline.policy import Policy, quant_class
-from pipeline.specs import GGUFType, Ref, VersionState
+from pipeline.specs import Ref, VersionState
 from registry import open_registry
 from registry.blobs import sha256_file
 from registry.store import VersionView
@@ -58,50 +59,39 @@ class ValidateOptions:
 
 
 def detect_format(path: Path) -> str:
+    """The format of a plain target: a single-file format by its magic bytes or suffix, a folder by its
+    ``quantization_config.quant_method`` (or the single-file parts it holds).
+
+    Raises InvalidSpecError when no format in FORMATS claims it.
+    """
+    singles = [i for i in FORMATS.values() if i.single_file]
     if path.is_file():
         with path.open("rb") as fh:
-            if fh.read(4) == b"GGUF" or path.suffix == ".gguf":
-                return "gguf"
-        raise InvalidSpecError(f"{path} is neither a GGUF file nor a folder",
-                               hint="pass a .gguf file, an AWQ/EXL2 folder or a registry reference")
+            head = fh.read(16)
+        for info in singles:
+            if (info.magic and head.startswith(info.magic)) or path.suffix == info.suffix:
+                return str(info.format)
+        raise InvalidSpecError(f"{path} is no {', '.join(i.label for i in singles)} file, nor a folder",
+                               hint="pass a quantized file or folder, or a registry reference")
     cfg = path / "config.json"
     if path.is_dir() and cfg.is_file():
         method = (json.loads(cfg.read_text()).get("quantization_config") or {}).get("quant_method")
-        if method in ("awq", "compressed-tensors"):
-            return "awq"
-        if method == "exl2":
-            return "exl2"
-        raise InvalidSpecError(f"{path} has quant_method {method!r}; expected awq, compressed-tensors or exl2")
-    if path.is_dir() and sorted(path.glob("*.gguf")):
-        return "gguf"
-    raise InvalidSpecError(f"cannot tell the format of {path}", hint="expected a .gguf file or a quantized folder")
-
-
-def _plain_spec(fmt: str, path: Path) -> tuple[str, dict[str, Any]]:
-    if fmt == "gguf":
-        from gguf import GGUFReader
-
-        first = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
-        try:
-            ftype = GGUFReader(str(first)).get_field("general.file_type").contents()
-            name = GGUFType(int(ftype)).name
-        except Exception:  # a damaged file: the format check reports the details
-            name = "unknown"
-        return name, {"type": name}
-    qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-    if fmt == "exl2":
-        bpw = float(qc.get("bits", 4.0))
-        return f"EXL2-{bpw:g}bpw", {"bpw": bpw}
-    return "AWQ", {"bits": int(qc.get("bits", 4))}
+        for info in FORMATS.values():
+            if method in info.quant_methods:
+                return str(info.format)
+        known = sorted(m for i in FORMATS.values() for m in i.quant_methods)
+        raise InvalidSpecError(f"{path} has quant_method {method!r}; expected one of {', '.join(known)}")
+    for info in singles:
+        if path.is_dir() and sorted(path.glob(f"*{info.suffix}")):
+            return str(info.format)
+    raise InvalidSpecError(f"cannot tell the format of {path}", hint="expected a quantized file or folder")
 
 
 def check_structure(fmt: str, path: Path) -> None:
     """A plain target that cannot even be read as its format is bad input (exit 2), not a failed check."""
-    if fmt == "gguf":
-        for part in ([path] if path.is_file() else sorted(path.glob("*.gguf"))):
-            gguf_structure(part)
-    elif fmt == "awq":
-        awq_sanity(path)
+    cls = converter_class(fmt)
+    if hasattr(cls, "read_structure"):
+        cls.read_structure(path)
 
 
 def split_source(text: str | None) -> tuple[str | None, str | None]:
@@ -117,9 +107,9 @@ def resolve_target(text: str, settings: Settings, opts: ValidateOptions, work: P
     if path.exists():
         fmt = detect_format(path)
         check_structure(fmt, path)
-        variant, spec = _plain_spec(fmt, path)
+        variant, spec = converter_class(fmt).describe(path)
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        model = path if fmt != "gguf" or path.is_file() else sorted(path.glob("*.gguf"))[0]
+        model = path if path.is_file() else steps.model_path(fmt, files, path)
         source, revision = split_source(opts.source)
         return Target(label=path.name, fmt=fmt, variant=variant, spec=spec, files=files, model_path=model,
                       source_text=source, source_revision=revision)
@@ -145,10 +135,12 @@ def check_integrity(target: Target, settings: Settings) -> tuple[str, dict[str, 
             raise CheckFailed(f"empty files: {', '.join(empty)}")
         return f"{len(digests)} files hashed (no registry record to compare with)", {"sha256": digests}
     bad = []
+    reg = open_registry(settings)
     for f in target.version.files:
-        blob = open_registry(settings).blobs.path_of(f.sha256)
-        if not blob.is_file():
-            bad.append(f"{f.name}: blob missing")
+        try:  # the store's own file, or a verified local copy of a remote store's object
+            blob = reg.local_blob(f.sha256, f.size)
+        except (NotFoundError, IntegrityError) as exc:
+            bad.append(f"{f.name}: {exc.message}")
             continue
         size, digest = blob.stat().st_size, sha256_file(blob)
         if size != f.size or digest != f.sha256:
@@ -159,38 +151,28 @@ def check_integrity(target: Target, settings: Settings) -> tuple[str, dict[str, 
 
 
 def check_format(target: Target) -> tuple[str, dict[str, Any]]:
-    try:
-        if target.fmt == "gguf":
-            parts = sorted(p for p in target.files if p.name.endswith(".gguf"))
-            summary = gguf_sanity(parts[0])
-            for part in parts[1:]:
-                gguf_sanity(part, first_part=False)
-            return f"GGUF {summary['architecture']} file type {summary['file_type']}, " \
-                   f"{summary['tensors']} tensors, tokenizer {summary['tokenizer_model']}", summary
-        if target.fmt == "awq":
-            summary = awq_sanity(target.model_path)
-            return f"AWQ {summary['quant_method']}, {summary['tensors']} tensors", summary
-        if target.fmt == "exl2":
-            summary = inspect_exl2(target.model_path)
-            return (f"EXL2 {summary['quantized_layers']} quantized layers, {summary['tensor_count']} tensors, "
-                    f"decoder {summary['decoder_bpw']:.3f} bpw"), summary
+    cls = converter_class(target.fmt)
+    if not hasattr(cls, "sanity"):
         raise CheckSkipped(f"no format checker for {target.fmt} yet")
+    try:
+        message, summary = cls.sanity(target.model_path, target.files)
     except (InvalidArtifactError, ConversionError) as exc:
         raise CheckFailed(exc.message, hint=exc.hint or "") from exc
+    return str(message), dict(summary)
 
 
 def _engine_for(fmt: str, settings: Settings) -> tuple[Any, str | None]:
     """The evaluator for a format, or its reference stand-in with the reason, when the engine is unavailable."""
-    from evaluators import DEFAULT_ENGINE, FALLBACK_ENGINE, get_evaluator
+    from evaluators.engines import get_evaluator
 
-    evaluator = get_evaluator(DEFAULT_ENGINE[fmt])
+    info = format_info(fmt)
+    evaluator = get_evaluator(info.engine)
     reason = evaluator.unavailable_reason(settings)
     if reason is None:
         return evaluator, None
-    fallback = FALLBACK_ENGINE.get(fmt)
-    if fallback is None:
-        raise CheckFailed(f"{DEFAULT_ENGINE[fmt]} is unavailable here ({reason}) and {fmt} has no reference engine")
-    return get_evaluator(fallback), f"{DEFAULT_ENGINE[fmt]} unavailable ({reason}); used {fallback}"
+    if info.fallback_engine is None:
+        raise CheckFailed(f"{info.engine} is unavailable here ({reason}) and {fmt} has no reference engine")
+    return get_evaluator(info.fallback_engine), f"{info.engine} unavailable ({reason}); used {info.fallback_engine}"
 
 
 def check_loadability(target: Target, settings: Settings, work: Path) -> tuple[str, dict[str, Any]]:
@@ -209,7 +191,7 @@ def check_loadability(target: Target, settings: Settings, work: Path) -> tuple[s
 def _source_for(target: Target, settings: Settings) -> steps.Resolved:
     cached = target.notes.get("resolved")
     if cached is not None:
-        return cached  # type: ignore[no-any-return]
+        return cached
     if not target.source_text:
         raise InvalidSpecError(f"{target.label} has no declared source to evaluate against",
                                hint="pass --source CHECKPOINT_FOLDER_OR_HUB_ID")
@@ -225,9 +207,7 @@ def _source_for(target: Target, settings: Settings) -> steps.Resolved:
 
 
 def _quality_metrics(target: Target, settings: Settings, opts: ValidateOptions, work: Path) -> dict[str, Any]:
-    from evaluators import DEFAULT_ENGINE
-
-    engine = DEFAULT_ENGINE[target.fmt]
+    engine = str(format_info(target.fmt).engine)
     if target.version is not None:
         for r in reversed(target.version.results):
             if r.kind == "quality" and r.status == "ok" and r.engine in (engine, target.notes.get("engine")):
@@ -251,7 +231,8 @@ def check_quality(target: Target, settings: Settings, opts: ValidateOptions, wor
     cls = quant_class(target.fmt, target.spec)
     limits = opts.policy.limits_for(target.variant, cls)
     m = _quality_metrics(target, settings, opts, work)
-    found = {"kld_mean": m.get("kld_mean"), "delta_ppl_pct": m.get("delta_ppl_pct"), "top1": m.get("top1_agreement")}
+    found: dict[str, Any] = {"kld_mean": m.get("kld_mean"), "delta_ppl_pct": m.get("delta_ppl_pct"),
+                             "top1": m.get("top1_agreement")}
     problems = []
     if limits.max_kld is not None and not (found["kld_mean"] is not None and found["kld_mean"] <= limits.max_kld):
         problems.append(f"mean KLD {found['kld_mean']:.6g} > {limits.max_kld}")
@@ -264,9 +245,12 @@ def check_quality(target: Target, settings: Settings, opts: ValidateOptions, wor
                "engine": m.get("engine"), "reused_result": m.get("reused")}
     if problems:
         raise CheckFailed(f"{target.variant} ({cls}) fails the quality policy: " + "; ".join(problems), **details)
-    return (f"{cls}: KLD {found['kld_mean']:.3g} ≤ {limits.max_kld}, ΔPPL {found['delta_ppl_pct']:.3g}% ≤ "
-            f"{limits.max_delta_ppl_pct}%, top-1 {100 * found['top1']:.2f}% ≥ {100 * (limits.min_top1 or 0):.0f}%",
-            details)
+    held = [f"KLD {found['kld_mean']:.3g} ≤ {limits.max_kld}" if limits.max_kld is not None else None,
+            f"ΔPPL {found['delta_ppl_pct']:.3g}% ≤ {limits.max_delta_ppl_pct}%"
+            if limits.max_delta_ppl_pct is not None else None,
+            f"top-1 {100 * found['top1']:.2f}% ≥ {100 * limits.min_top1:.0f}%"
+            if limits.min_top1 is not None else None]
+    return f"{cls}: " + (", ".join(h for h in held if h) or "no limits set"), details
 
 
 def _same_hardware(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -275,9 +259,7 @@ def _same_hardware(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def _speed_of(target: Target, settings: Settings, opts: ValidateOptions, work: Path) -> tuple[dict, dict, str]:
-    from evaluators import DEFAULT_ENGINE
-
-    engine = DEFAULT_ENGINE[target.fmt]
+    engine = str(format_info(target.fmt).engine)
     if target.version is not None:
         for r in reversed(target.version.results):
             if r.kind == "speed" and r.status == "ok" and r.engine == engine:
@@ -330,13 +312,9 @@ def check_reproducibility(target: Target, settings: Settings, work: Path) -> tup
     work dir, and compare the files bit for bit."""
     if target.version is None:
         raise CheckSkipped("reproducibility needs a registry version with recorded lineage")
-    from pydantic import TypeAdapter
-
-    from pipeline.specs import VariantSpec
-
     lineage = target.version.lineage
     fmt = target.fmt
-    spec = TypeAdapter(VariantSpec).validate_python(lineage["spec"])
+    spec = parse_variant_spec(lineage["spec"])
     resolved = _source_for(target, settings)
     if resolved.source.identity != lineage["source"]["identity"]:
         raise CheckSkipped(f"source {resolved.source.identity} is not the recorded {lineage['source']['identity']}")
@@ -362,13 +340,20 @@ def rebuild_plan(target: Target, resolved: steps.Resolved, spec: Any, settings: 
     """The plan that builds ``spec`` exactly as the version was built: its format's options from the lineage."""
     assert target.version is not None
     lineage = target.version.lineage
-    gguf = GGUFOptions()
-    if target.fmt == "gguf":
+    options: dict[str, Any] = {}
+    field = format_info(target.fmt).plan_options
+    if field is not None:
+        reg = open_registry(settings)
+
+        def artifact(kind: str, key: str) -> Path | None:
+            found = reg.find_source_artifact(resolved.source, kind, key)
+            return None if found is None else reg.artifact_path(found)
+
         try:
-            gguf = gguf_steps.recorded_options(lineage, resolved, settings, work)
+            options[field] = converter_class(target.fmt).recorded_options(lineage, artifact, work)
         except NotFoundError as exc:
             raise CheckSkipped(exc.message) from exc
-    return Plan(source=SourceInput(source=target.source_text or ""), variants=(spec,), eval=EvalSpec(), gguf=gguf)
+    return Plan(source=SourceInput(source=target.source_text or ""), variants=(spec,), eval=EvalSpec(), **options)
 
 
 # --- entry point ----------------------------------------------------------------------------------
@@ -404,13 +389,10 @@ def _skip(reason: str) -> None:
 def check_tokenizer_parity(target: Target, settings: Settings, work: Path) -> tuple[str, dict[str, Any]]:
     """The engine's tokenization of the probe text must equal the source's HF tokenizer's (GGUF carries its
     own vocabulary and pre-tokenizer; AWQ and EXL2 folders load the HF tokenizer itself)."""
-    if target.fmt != "gguf":
+    if not format_info(target.fmt).own_tokenizer:
         raise CheckSkipped(f"{target.fmt} engines load the checkpoint's own HF tokenizer files")
     if not target.source_text:
         raise CheckSkipped("no declared source to compare the tokenizer with (pass --source)")
-    from converters.gguf import tool_env
-    from converters.gguf_tokenizer import check_parity
-
     try:
         resolved = _source_for(target, settings)
     except QuantyardError as exc:
@@ -421,8 +403,9 @@ def check_tokenizer_parity(target: Target, settings: Settings, work: Path) -> tu
     for text, origin in (steps.eval_text(EvalSpec(), resolved), steps.calibration_text(resolved)):
         texts.setdefault(origin, text)
     try:
-        record = check_parity(target.model_path, resolved.checkpoint.path, python=settings.core_python,
-                              env=tool_env(), log_dir=log_dir, timeout_s=600, allow=False, texts=texts)
+        converter = steps.make_converter(target.fmt, Plan(source=SourceInput(source=target.source_text),
+                                                          variants=()), settings)
+        record = converter.tokenizer_parity(target.model_path, resolved.checkpoint.path, texts, log_dir, settings)
     except TokenizerMismatchError as exc:
         raise CheckFailed(exc.message, position=exc.position, hf=exc.expected, gguf=exc.found) from exc
     n_text = sum(r["tokens_hf"] for label, r in record["texts"].items() if label != "probe")

@@ -3,7 +3,7 @@
 This is the *format* half of Quantyard's EXL2 reference codec (the quantizer that writes it is
 ``converters/exl2_codec.py``). It lives in the pipeline core, imports only the standard library,
 ``torch`` and ``pipeline.errors``, and is therefore importable by the converter, by the
-transformers runner that evaluates EXL2 on CPU (``evaluators/runners/exl2_load.py``, which may run
+transformers runner that evaluates EXL2 on CPU (``evaluators/exl2_loader.py``, which may run
 in any interpreter that has torch) and by the GPU truth script; an import-linter contract keeps it
 that light. It was written from exllamav2 0.3.2's sources (``conversion/adaptivegptq.py`` ``pack``,
 ``exllamav2_ext/cuda/pack_tensor.cu``, ``q_matrix.cu``, ``quant/qdq_util.cuh``, ``ext.py``

@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import ConfigError, InvalidSpecError
+from pipeline.formats import VariantSpec, format_info
 from pipeline.specs import (
     GGUF_BASE_TYPES,
     AWQBackend,
@@ -23,8 +23,6 @@ from pipeline.specs import (
     EXL2Spec,
     Frozen,
     GGUFSpec,
-    QuantFormat,
-    VariantSpec,
     parse_gguf_type,
 )
 
@@ -141,13 +139,14 @@ class Plan(Frozen):
     def by_format(self) -> dict[str, list[VariantSpec]]:
         out: dict[str, list[VariantSpec]] = {}
         for spec in self.variants:
-            out.setdefault(spec.format.value, []).append(spec)
+            out.setdefault(str(spec.format), []).append(spec)
         return out
 
     def build_options(self, fmt: str) -> dict[str, Any]:
         """The plan-level options of ``fmt`` that shape its variants (recorded in their lineage); a format
         whose options all live in its variant specs has none."""
-        return self.gguf.model_dump(mode="json") if fmt == QuantFormat.GGUF else {}
+        field = format_info(fmt).plan_options
+        return {} if field is None else dict(getattr(self, field).model_dump(mode="json"))
 
 
 def parse_gguf_base(text: str) -> str:
@@ -256,31 +255,3 @@ def _exl2_backend(name: str) -> EXL2Backend | None:
     except ValueError:
         known = ", ".join(["auto", *(b.value for b in EXL2Backend)])
         raise InvalidSpecError(f"unknown EXL2 backend {name!r}: expected one of {known}") from None
-
-
-def load_recipe(path: Path) -> dict[str, object]:
-    """Read a YAML recipe: either the keys of :class:`Plan`, or the recipe form of :mod:`pipeline.recipe`
-    (``source``, ``formats``, ``eval``, ``policy``, ``placement``)."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read recipe {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"recipe {path} must be a mapping, found {type(data).__name__}")
-    return data
-
-
-def plan_from_recipe(data: dict[str, object], base: Path | None = None) -> Plan:
-    """The Plan of a one-source recipe; relative paths in the recipe form resolve against ``base``."""
-    if "formats" in data:
-        from pipeline.recipe import parse_recipe
-
-        _, plans = parse_recipe(data, base or Path.cwd())
-        if len(plans) != 1:
-            raise ConfigError(f"the recipe has {len(plans)} sources, expected one here",
-                              hint="use pipeline.recipe.parse_recipe for multi-source recipes")
-        return plans[0]
-    try:
-        return Plan.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"invalid recipe: {exc}") from exc

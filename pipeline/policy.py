@@ -8,14 +8,14 @@ them. ΔPPL and top-1 limits are looser companions derived the same way.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InvalidSpecError
+from pipeline.formats import parse_variant_spec
 from pipeline.specs import Frozen
 
 
@@ -56,21 +56,17 @@ class Policy(Frozen):
 
 
 def quant_class(fmt: str, spec: dict[str, Any]) -> str:
-    """Map a variant to its quality class: F16, Q8, Q6, Q5, Q4, Q3 or Q2 (by effective bits)."""
-    if fmt == "gguf":
-        t = str(spec["type"]).upper()
-        if t in ("F32", "F16", "BF16"):
-            return "F16"
-        m = re.match(r"^(?:I?Q|TQ|MXFP|NVFP)(\d)", t)
-        bits = int(m.group(1)) if m else 4
-        return {1: "Q2", 2: "Q2", 3: "Q3", 4: "Q4", 5: "Q5", 6: "Q6", 8: "Q8"}.get(bits, "Q4")
-    if fmt == "awq":
-        return f"Q{int(spec.get('bits', 4))}"
-    bpw = float(spec.get("bpw", 4.0))
-    for cls, floor in (("Q8", 7.5), ("Q6", 5.5), ("Q5", 4.5), ("Q4", 3.5), ("Q3", 2.5)):
-        if bpw >= floor:
-            return cls
-    return "Q2"
+    """A variant's quality class (F16, Q8, Q6, Q5, Q4, Q3 or Q2), from its format's spec model.
+
+    Raises:
+        UnknownFormatError: ``fmt`` is not a known format.
+        InvalidSpecError: the spec is not valid for its format, or its type has no class.
+    """
+    try:
+        parsed = parse_variant_spec({**spec, "format": fmt})
+    except ValidationError as exc:
+        raise InvalidSpecError(f"cannot classify a {fmt} variant with spec {spec}: {exc}") from exc
+    return str(parsed.quant_class)
 
 
 def load_policy(path: Path | None) -> Policy:

@@ -85,7 +85,7 @@ def _tail(path: Path) -> str:
 
 
 def child_env(extra: Mapping[str, str] | None = None, pythonpath: Sequence[Path] = ()) -> dict[str, str]:
-    """Environment for a child: ours, plus the repo root on PYTHONPATH so ``-m evaluators.runners.x``
+    """Environment for a child: ours, plus the repo root on PYTHONPATH so ``-m evaluators.<engine>.runner``
     imports from any interpreter, plus ``extra``."""
     env = dict(os.environ)
     paths = [str(p) for p in (*pythonpath, REPO_ROOT)]

@@ -23,12 +23,13 @@ an unknown or misspelt key is an error that names it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import ConfigError, InvalidSpecError
+from pipeline.formats import Pool, VariantSpec, format_info
 from pipeline.plan import (
     CalibrationSpec,
     EvalSpec,
@@ -42,15 +43,7 @@ from pipeline.plan import (
     variants_from_flags,
 )
 from pipeline.policy import DEFAULT_CLASSES, Policy, QualityLimits
-from pipeline.specs import EXL2Spec, Frozen, VariantSpec
-
-Pool = Literal["cpu", "gpu"]
-
-#: Where each format's conversion runs by default (formats not listed: the GPU pool).
-FORMAT_POOL: dict[str, Pool] = {"gguf": "cpu", "awq": "gpu", "exl2": "gpu"}
-#: Where each engine's evaluation runs by default (engines not listed: the GPU pool).
-ENGINE_POOL: dict[str, Pool] = {"llama.cpp": "cpu", "exl2-reference": "cpu", "vllm": "gpu", "exllamav2": "gpu",
-                                "transformers": "gpu"}
+from pipeline.specs import EXL2Spec, Frozen
 
 
 class GGUFRecipe(Frozen):
@@ -120,10 +113,14 @@ class Placement(Frozen):
     engines: dict[str, Pool] = Field(default_factory=dict)
 
     def for_format(self, fmt: str) -> Pool:
-        return self.formats.get(fmt, FORMAT_POOL.get(fmt, "gpu"))
+        """The recipe's pool for ``fmt``'s conversion, else the format's own (FormatInfo.pool).
 
-    def for_engine(self, engine: str) -> Pool:
-        return self.engines.get(engine, ENGINE_POOL.get(engine, "gpu"))
+        Raises UnknownFormatError for an unknown format."""
+        return self.formats.get(fmt, format_info(fmt).pool)
+
+    def for_engine(self, engine: str, default: Pool) -> Pool:
+        """The recipe's pool for evaluations on ``engine``, else ``default`` (the engine's EngineInfo.pool)."""
+        return self.engines.get(engine, default)
 
     def for_reference(self, spec: EvalSpec) -> Pool:
         if self.reference is not None:

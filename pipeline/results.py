@@ -3,9 +3,30 @@ artifact and ``--json`` output."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EvalResult(BaseModel):
+    """One result of one version on one engine, as evaluators produce it and the registry stores it.
+
+    ``kind`` quality: ``metrics`` holds PPL, KLD, top-1 agreement… on window set ``window_set_id``; speed:
+    tokens per second (no window set). ``status`` failed: ``error`` says why and ``metrics`` may be empty.
+    ``hardware`` is where it ran (CPU and flags, GPU, threads, and a tool environment's exact pip freeze).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["quality", "speed"]
+    engine: str
+    engine_version: str | None = None
+    window_set_id: str | None = None
+    status: Literal["ok", "failed"] = "ok"
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    hardware: dict[str, Any] = Field(default_factory=dict)
+    error: str | None = None
+    wall_s: float | None = None
 
 
 class VariantOutcome(BaseModel):

@@ -11,7 +11,7 @@ import enum
 import hashlib
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import gguf
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -83,6 +83,13 @@ def gguf_type_names() -> list[str]:
     return [m.name for m in GGUFType]
 
 
+def bits_class(bits: int) -> str:
+    """The quality class of a whole number of bits per weight: 1 and 2 → Q2, 3 → Q3 … 6 → Q6, 7 and 8 → Q8."""
+    if bits <= 2:
+        return "Q2"
+    return f"Q{bits}" if bits <= 6 else "Q8"
+
+
 class AWQBackend(enum.StrEnum):
     LLMCOMPRESSOR = "llmcompressor"
     AUTOAWQ = "autoawq"
@@ -120,6 +127,17 @@ class GGUFSpec(Frozen):
     def requires_imatrix(self) -> bool:
         return self.type.startswith(IMATRIX_REQUIRED_PREFIXES)
 
+    @property
+    def quant_class(self) -> str:
+        """The quality class of :mod:`pipeline.policy` (F16, Q8, Q6, Q5, Q4, Q3, Q2) by the type's leading bits."""
+        if self.is_base:
+            return "F16"
+        m = re.match(r"^(?:I?Q|TQ|MXFP|NVFP)(\d)", self.type)
+        if m is None:
+            raise InvalidSpecError(f"GGUF type {self.type} has no quality class: expected a name such as Q4_K_M, "
+                                   "IQ3_S, TQ1_0 or MXFP4_MOE", hint="add it to policy overrides by variant name")
+        return bits_class(int(m.group(1)))
+
 
 class AWQSpec(Frozen):
     """A weight-only AWQ variant (activations stay 16/32-bit).
@@ -150,6 +168,10 @@ class AWQSpec(Frozen):
         return value
 
     @property
+    def quant_class(self) -> str:
+        return bits_class(self.bits)
+
+    @property
     def name(self) -> str:
         sym = "sym" if self.symmetric else "asym"
         suffix = "" if self.backend == AWQBackend.LLMCOMPRESSOR else "-gemm"
@@ -173,6 +195,20 @@ class EXL2Spec(Frozen):
         return value
 
     @property
+    def quant_class(self) -> str:
+        """By bits per weight: 7.5 and up Q8, 5.5 Q6, 4.5 Q5, 3.5 Q4, 2.5 Q3, below Q2."""
+        for cls, floor in (("Q8", 7.5), ("Q6", 5.5), ("Q5", 4.5), ("Q4", 3.5), ("Q3", 2.5)):
+            if self.bpw >= floor:
+                return cls
+        return "Q2"
+
+    @property
+    def hub_revision(self) -> str:
+        """The Hub branch of this variant in a published EXL2 repo, as exllamav2 repos name them: ``4.0bpw``."""
+        text = f"{self.bpw:.2f}".rstrip("0")
+        return f"{text}0bpw" if text.endswith(".") else f"{text}bpw"
+
+    @property
     def name(self) -> str:
         """``EXL2-4.0bpw``; ``-h8`` for non-default head bits; ``-ref`` when built by the reference-cpu
         backend (so its files are never mistaken for exllamav2's own conversion)."""
@@ -181,9 +217,6 @@ class EXL2Spec(Frozen):
         if self.head_bits != 6:
             name += f"-h{self.head_bits}"
         return name + ("-ref" if self.backend == EXL2Backend.REFERENCE_CPU else "")
-
-
-VariantSpec = Annotated[GGUFSpec | AWQSpec | EXL2Spec, Field(discriminator="format")]
 
 
 def spec_digest(spec: BaseModel) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from pipeline.formats import format_info
 from registry.views import ArtifactView, VersionView
 
 TEMPLATE = (Path(__file__).parent / "card_template.md").read_text(encoding="utf-8")
@@ -66,7 +67,7 @@ def build_card(views: list[VersionView], *, repo_id: str, base_model: str | None
     fmt = views[0].format
     data = ModelCardData(
         base_model=base_model, base_model_relation="quantized" if base_model else None,
-        library_name={"gguf": "gguf", "awq": "transformers", "exl2": "exllamav2"}.get(fmt, fmt),
+        library_name=format_info(fmt).library_name,
         pipeline_tag="text-generation", tags=["quantyard", fmt, "quantized"])
     ws_ids = {r.window_set_id for v in views for r in v.results if r.window_set_id}
     src = views[0].source

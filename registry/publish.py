@@ -27,6 +27,7 @@ from typing import Any
 from huggingface_hub import CommitOperationAdd, HfApi
 
 from pipeline.errors import ConversionError, IllegalTransitionError, InvalidSpecError, ToolchainMissingError
+from pipeline.formats import format_info, parse_variant_spec
 from pipeline.specs import Ref, VersionState
 from registry.blobs import sha256_file
 from registry.card import build_card
@@ -91,16 +92,18 @@ def _views(reg: Registry, refs: list[str]) -> list[VersionView]:
         raise InvalidSpecError("one publication holds one model in one format; got "
                                + ", ".join(f"{v.ref} ({v.format})" for v in views),
                                hint="publish each model/format to its own repo")
-    if views[0].format == "awq" and len(views) > 1:
-        raise InvalidSpecError("an AWQ repo holds one checkpoint directory: publish one AWQ variant per repo")
+    info = format_info(views[0].format)
+    if info.hub.one_variant_per_repo and len(views) > 1:
+        raise InvalidSpecError(f"an {info.label} repo holds one checkpoint directory: publish one {info.label} "
+                               "variant per repo")
     return views
 
 
 def _revision(view: VersionView) -> str | None:
-    if view.format != "exl2":
+    """The branch a variant goes to, for formats published one variant per revision (EXL2: ``4.0bpw``)."""
+    if not format_info(view.format).hub.revision_per_variant:
         return None
-    text = f"{float(view.spec.get('bpw', 0)):.2f}".rstrip("0")
-    return f"{text}0bpw" if text.endswith(".") else f"{text}bpw"  # 4.0bpw, 4.65bpw
+    return str(parse_variant_spec({**view.spec, "format": view.format}).hub_revision)
 
 
 def _stage_version(reg: Registry, view: VersionView, stage: Path, req: PublishRequest) -> list[dict[str, Any]]:
@@ -112,7 +115,7 @@ def _stage_version(reg: Registry, view: VersionView, stage: Path, req: PublishRe
         dest = root / f.name
         reg.blobs.export(f.sha256, f.size, dest)
         paths = [(f.name, dest, "file")]
-        if view.format == "gguf" and f.size > req.split_mb * 1_000_000:
+        if format_info(view.format).hub.split_large_files and f.size > req.split_mb * 1_000_000:
             if req.splitter is None:
                 raise ToolchainMissingError(f"{f.name} is {f.size / 1e9:.1f} GB, over the split size, and no "
                                             "llama-gguf-split was given")

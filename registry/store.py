@@ -36,6 +36,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, selectinload
 
 from pipeline.errors import DiskFullError, IllegalTransitionError, InvalidReferenceError, NotFoundError, RegistryError
+from pipeline.results import EvalResult
 from pipeline.specs import VERSION_TRANSITIONS, Ref, VersionState, validate_model_name
 from registry import listing, sql
 from registry.blobs import BlobStore, StoredBlob
@@ -292,19 +293,21 @@ class Registry:
             session.refresh(version)
             return version_view(session, version, created=True)
 
-    def add_result(self, ref: Ref | str, record: Mapping[str, Any]) -> int:
-        """Attach an evaluation result to a version; returns its id.
+    def add_result(self, ref: Ref | str, record: EvalResult | Mapping[str, Any]) -> int:
+        """Attach an evaluation result to a version; returns its id. A mapping is validated as an
+        :class:`~pipeline.results.EvalResult` (unknown keys are an error, not silently dropped).
 
-        ``record`` keys: kind, engine, engine_version, window_set_id, status, metrics, hardware, error, wall_s.
+        Raises:
+            pydantic.ValidationError: ``record`` is not a valid result.
         """
         ref = self._parse(ref)
+        result = record if isinstance(record, EvalResult) else EvalResult.model_validate(dict(record))
         with self._write() as session:
             version = self._version(session, ref)
-            row = sql.Result(version_id=version.id, kind=record["kind"], engine=record["engine"],
-                             engine_version=record.get("engine_version"), window_set_id=record.get("window_set_id"),
-                             status=record["status"], metrics=dict(record.get("metrics") or {}),
-                             hardware=dict(record.get("hardware") or {}), error=record.get("error"),
-                             wall_s=record.get("wall_s"))
+            row = sql.Result(version_id=version.id, kind=result.kind, engine=result.engine,
+                             engine_version=result.engine_version, window_set_id=result.window_set_id,
+                             status=result.status, metrics=dict(result.metrics), hardware=dict(result.hardware),
+                             error=result.error, wall_s=result.wall_s)
             session.add(row)
             session.flush()
             return row.id
@@ -601,18 +604,3 @@ class Registry:
             out.append(target)
         return out
 
-    # -- integrity -------------------------------------------------------------------------------
-
-    def verify(self, *, deep: bool = False, grace_s: float = 3600.0) -> Any:
-        """Check every referenced blob (exists, size; with ``deep`` also sha256) and look for orphans.
-        Returns a :class:`registry.integrity.VerifyReport`."""
-        from registry.integrity import verify
-
-        return verify(self, deep=deep, grace_s=grace_s)
-
-    def gc(self, *, dry_run: bool = False, grace_s: float = 3600.0) -> Any:
-        """Remove blobs no version or artifact references and stale temp files, both older than
-        ``grace_s``. Returns a :class:`registry.integrity.GcReport`."""
-        from registry.integrity import gc
-
-        return gc(self, dry_run=dry_run, grace_s=grace_s)

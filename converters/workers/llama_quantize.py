@@ -33,9 +33,11 @@ def main() -> int:
     req = json.loads(sys.stdin.read())
     if req.get("imatrix"):
         exe = Path(req["bin_dir"]) / "llama-quantize"
-        imatrix = Path(req["imatrix"]).resolve()
-        cmd = [str(exe), "--imatrix", imatrix.name, str(Path(req["input"]).resolve()),
-               str(Path(req["output"]).resolve()), _ftype_name(req["ftype"]), str(req["nthread"])]
+        # absolute(), not resolve(): a distributed build links the imatrix from the blob store under its
+        # own name, and that name (not the blob's digest) is what the file must record
+        imatrix = Path(req["imatrix"]).absolute()
+        cmd = [str(exe), "--imatrix", imatrix.name, str(Path(req["input"]).absolute()),
+               str(Path(req["output"]).absolute()), _ftype_name(req["ftype"]), str(req["nthread"])]
         return subprocess.run(cmd, cwd=imatrix.parent).returncode
     import llama_cpp
 

@@ -68,8 +68,9 @@ def verify_cmd(deep: Annotated[bool, typer.Option("--deep", help="Also re-hash e
     orphans. Exit 1 on any problem."""
     from pipeline.errors import EXIT_CHECK_FAILED
     from pipeline.render import console
+    from registry.integrity import verify as verify_registry
 
-    report = _open(registry, blobs).verify(deep=deep, grace_s=grace)
+    report = verify_registry(_open(registry, blobs), deep=deep, grace_s=grace)
     if not _print({**report.model_dump(), "ok": report.ok, "broken_versions": report.broken_versions}, as_json):
         console.print(f"checked {report.checked} blobs ({report.bytes_checked / 1e6:,.1f} MB"
                       f"{', re-hashed' if deep else ''}) in {report.blobs_url}")
@@ -98,8 +99,9 @@ def gc_cmd(dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list wh
            as_json: JsonOpt = False) -> None:
     """Remove blobs no version references and temp files left by crashed writers (older than --grace)."""
     from pipeline.render import console
+    from registry.integrity import gc as gc_registry
 
-    report = _open(registry, blobs).gc(dry_run=dry_run, grace_s=grace)
+    report = gc_registry(_open(registry, blobs), dry_run=dry_run, grace_s=grace)
     if not _print(report.model_dump(), as_json):
         verb = "would remove" if dry_run else "removed"
         for sha in report.blobs:

@@ -10,11 +10,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pipeline.formats import FORMATS
 from registry.web.table import Row, pareto_front
 
 WIDTH, HEIGHT = 720, 360
 LEFT, RIGHT, TOP, BOTTOM = 70, 20, 20, 50
-FORMAT_COLOURS = {"gguf": "#1f77b4", "awq": "#d62728", "exl2": "#2ca02c"}
+#: Colours for formats this installation does not know (registered by another one); known formats use
+#: their FormatInfo.colour.
 PALETTE = ("#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
 
 
@@ -63,8 +65,9 @@ class Chart:
 
 
 def format_colours(formats: Sequence[str]) -> dict[str, str]:
-    others = sorted({f for f in formats if f not in FORMAT_COLOURS})
-    return {**FORMAT_COLOURS, **{f: PALETTE[i % len(PALETTE)] for i, f in enumerate(others)}}
+    known = {str(f): info.colour for f, info in FORMATS.items()}
+    others = sorted({f for f in formats if f not in known})
+    return {**known, **{f: PALETTE[i % len(PALETTE)] for i, f in enumerate(others)}}
 
 
 def _nice_step(span: float, count: int = 5) -> float:

@@ -1,17 +1,17 @@
 """Copy-paste commands for a version: pull it out of the registry, fetch it over HTTP, serve it on its engine.
 
-The launch command follows each engine's own convention; add a format by adding an entry to
-:data:`LAUNCHERS`. Every value interpolated here is a registry name (letters, digits, ``._-/@``) or a
+The launch command follows each engine's own convention: the format's ``launcher`` in
+:data:`pipeline.formats.FORMATS`. Every value interpolated here is a registry name (letters, digits, ``._-/@``) or a
 registered file name, quoted for the shell with :func:`shlex.quote`.
 """
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote
 
+from pipeline.formats import FORMATS
 from registry.views import FileView, VersionView
 
 
@@ -25,25 +25,18 @@ def _dest(view: VersionView) -> str:
     return f"{view.model.replace('/', '--')}-{view.variant}"
 
 
-def _gguf(view: VersionView, dest: str) -> Command | None:
-    ggufs = sorted(f.name for f in view.files if f.name.endswith(".gguf"))
-    if not ggufs:
+def launch_command(view: VersionView, dest: str) -> Command | None:
+    """The engine's launch command for a copy of ``view`` pulled into ``dest`` (FormatInfo.launcher); None
+    when the format has none, is not known to this installation, or lacks the file its launcher needs."""
+    info = FORMATS.get(view.format)  # type: ignore[call-overload]  # a QuantFormat is its str value
+    launcher = None if info is None else info.launcher
+    if launcher is None:
         return None
-    # A split GGUF is loaded through its first part; llama.cpp finds the others beside it.
-    return Command("llama.cpp server", f"llama-server -m {shlex.quote(f'{dest}/{ggufs[0]}')} --port 8080")
-
-
-def _awq(view: VersionView, dest: str) -> Command:
-    return Command("vLLM", f"vllm serve {shlex.quote(dest)} --served-model-name {shlex.quote(view.variant)}")
-
-
-def _exl2(view: VersionView, dest: str) -> Command:
-    return Command("TabbyAPI (ExLlamaV2), from its checkout",
-                   f"python main.py --model-dir . --model-name {shlex.quote(dest)}")
-
-
-#: format -> the engine launch command for a pulled copy in folder ``dest``.
-LAUNCHERS: dict[str, Callable[[VersionView, str], Command | None]] = {"gguf": _gguf, "awq": _awq, "exl2": _exl2}
+    first = sorted(f.name for f in view.files if launcher.suffix is None or f.name.endswith(launcher.suffix))
+    if not first:
+        return None
+    values = {"dest": dest, "variant": view.variant, "first_file": first[0], "path": f"{dest}/{first[0]}"}
+    return Command(launcher.label, launcher.template.format(**{k: shlex.quote(v) for k, v in values.items()}))
 
 
 def download_path(ref: str, name: str) -> str:
@@ -56,8 +49,7 @@ def commands(view: VersionView, base_url: str) -> list[Command]:
     dest = _dest(view)
     out = [Command("Quantyard (sha256 verified)", f"quantyard pull {shlex.quote(view.ref)} {shlex.quote(dest)}")]
     out.append(Command("curl + sha256sum", _curl(view.files, view.ref, base_url, dest)))
-    launcher = LAUNCHERS.get(view.format)
-    launch = launcher(view, dest) if launcher is not None else None
+    launch = launch_command(view, dest)
     if launch is not None:
         out.append(launch)
     return out

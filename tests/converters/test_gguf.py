@@ -24,7 +24,7 @@ def _ctx(ckpt_dir: Path, settings: Settings, name: str = "demo") -> BuildContext
 
 
 def test_base_once_then_types_from_it(tmp_path: Path, demo_model: Path, settings: Settings) -> None:
-    conv = GGUFConverter(settings.llama_cpp_tools_dir)
+    conv = GGUFConverter(settings)
     ctx = _ctx(demo_model, settings)
     first = conv.prepare(ctx, [])
     second = conv.prepare(ctx, [])
@@ -40,7 +40,7 @@ def test_base_once_then_types_from_it(tmp_path: Path, demo_model: Path, settings
 
 def test_python_quantize_is_byte_identical_to_llama_quantize(tmp_path: Path, demo_model: Path,
                                                              settings: Settings) -> None:
-    conv = GGUFConverter(settings.llama_cpp_tools_dir)
+    conv = GGUFConverter(settings)
     ctx = _ctx(demo_model, settings)
     prepared = conv.prepare(ctx, [])
     ours = next(iter(conv.build(ctx, prepared, GGUFSpec(type="Q4_K_M"), tmp_path / "ours").files.values()))
@@ -54,7 +54,7 @@ def test_unsupported_architecture_fails_early_and_names_supported(tmp_path: Path
                                                                   settings: Settings) -> None:
     ckpt = copy_checkpoint(demo_model, tmp_path / "m")
     edit_config(ckpt, architectures=["LlamaForSequenceClassificationX"])
-    conv = GGUFConverter(settings.llama_cpp_tools_dir)
+    conv = GGUFConverter(settings)
     with pytest.raises(UnsupportedArchitectureError) as info:
         conv.check(load_checkpoint(ckpt), [])
     assert "LlamaForCausalLM" in info.value.supported and "LlamaForCausalLM" in str(info.value)
@@ -62,7 +62,7 @@ def test_unsupported_architecture_fails_early_and_names_supported(tmp_path: Path
 
 def test_bytelevel_bpe_tokenizer_is_refused_clearly(tmp_path: Path, demo_model: Path, settings: Settings) -> None:
     ckpt = bytelevel_bpe_checkpoint(tmp_path / "bpe", demo_model)
-    conv = GGUFConverter(settings.llama_cpp_tools_dir)
+    conv = GGUFConverter(settings)
     ctx = _ctx(ckpt, settings, name="bpe")
     with pytest.raises(TokenizerUnsupportedError, match="pre-tokenizer"):
         conv.prepare(ctx, [])

@@ -109,7 +109,7 @@ def test_qwen2_with_a_sentencepiece_tokenizer_is_caught_by_parity(tmp_path: Path
     llama.cpp's converter takes the SentencePiece tokenizer.model it finds. The GGUF converts and loads,
     but tokenizes differently — exactly the silent failure the check exists for."""
     ckpt = arch_checkpoint(tmp_path / "tiny-qwen2", demo_model, "qwen2", layers=1)
-    conv = GGUFConverter(settings.llama_cpp_tools_dir)
+    conv = GGUFConverter(settings)
     ctx = BuildContext(checkpoint=load_checkpoint(ckpt), source=resolve_source(str(ckpt), cache_dir=settings.cache_dir),
                        model_name="tiny-qwen2", settings=settings)
     conv.check(ctx.checkpoint, [])

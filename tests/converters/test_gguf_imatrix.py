@@ -41,7 +41,7 @@ def test_iq_types_require_an_imatrix(demo_model: Path, registry_path: Path, sett
     assert [s.name for s in variants_from_flags(gguf="F16,Q4_K_M,IQ3_M", imatrix=True)] == ["F16", "i1-Q4_K_M",
                                                                                           "i1-IQ3_M"]
     with pytest.raises(InvalidSpecError, match="IQ3_M"):  # plans built without the CLI are checked too
-        GGUFConverter(settings.llama_cpp_tools_dir).check(load_checkpoint(demo_model), [GGUFSpec(type="IQ3_M")])
+        GGUFConverter(settings).check(load_checkpoint(demo_model), [GGUFSpec(type="IQ3_M")])
     before = registry_snapshot(registry_path)
     result = CliRunner().invoke(app, ["convert", str(demo_model), "--gguf", "IQ4_XS", "--registry",
                                       str(registry_path)])
@@ -100,7 +100,7 @@ def test_too_short_calibration_is_a_clear_error(demo_model: Path, demo_registry_
     cfg = make_settings(tmp_path / "registry", demo_registry_template["work"], cache_dir)  # type: ignore[arg-type]
     ctx = BuildContext(checkpoint=load_checkpoint(demo_model), source=resolve_source(str(demo_model),
                        cache_dir=cache_dir), model_name="demo", settings=cfg)
-    base = Path(GGUFConverter(cfg.llama_cpp_tools_dir).prepare(ctx, []).paths["base"])
+    base = Path(GGUFConverter(cfg).prepare(ctx, []).paths["base"])
     short = tmp_path / "short.txt"
     short.write_text("def f(x):\n    return x\n" * 10)
     work = tmp_path / "imatrix"

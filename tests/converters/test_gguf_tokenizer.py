@@ -32,7 +32,7 @@ def _base(demo_model: Path, cfg: Settings) -> Path:
     """The demo's cached F16 base in ``cfg``'s work dir (converted once per session)."""
     ctx = BuildContext(checkpoint=load_checkpoint(demo_model), source=resolve_source(str(demo_model),
                        cache_dir=cfg.cache_dir), model_name="demo", settings=cfg)
-    return Path(GGUFConverter(cfg.llama_cpp_tools_dir).prepare(ctx, []).paths["base"])
+    return Path(GGUFConverter(cfg).prepare(ctx, []).paths["base"])
 
 
 def _swap_pair(demo_model: Path) -> tuple[int, int, int]:

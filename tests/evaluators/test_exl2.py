@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from evaluators import engine_for, get_evaluator
-from evaluators.runners.exl2_load import load_exl2_as_hf
+from evaluators.engines import engine_for, get_evaluator
+from evaluators.exl2_loader import load_exl2_as_hf
 from pipeline.config import Settings
 from pipeline.errors import EngineError
 from pipeline.exl2_format import dequantize, layer_prefixes, split_layer

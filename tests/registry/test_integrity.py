@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.errors import IntegrityError
+from registry.integrity import gc, verify
 from tests.registry.conftest import Backend
 from tests.registry.helpers import flip_byte, request
 
@@ -79,7 +80,7 @@ def test_killed_writer_leaves_only_orphans(tmp_path: Path, backend: Backend, mod
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
 
-    report = reg.verify(grace_s=0)
+    report = verify(reg, grace_s=0)
     expected = {"commit": "orphan", "blob": "stale_temp"}[mode]
     assert [p.problem for p in report.problems] == [expected]
     assert report.broken_versions == []
@@ -89,12 +90,12 @@ def test_killed_writer_leaves_only_orphans(tmp_path: Path, backend: Backend, mod
 
     code, output = _cli("registry", "gc", "--dry-run", "--grace", "0", *backend.cli)
     assert code == 0 and "would remove" in output
-    assert not reg.verify(grace_s=0).ok
+    assert not verify(reg, grace_s=0).ok
     code, output = _cli("registry", "gc", "--grace", "0", *backend.cli)
     assert code == 0
     assert ("removed 1 blob(s)" if mode == "commit" else "removed 0 blob(s)") in output
     assert ("0 temp file(s)" if mode == "commit" else "1 temp file(s)") in output
-    assert reg.verify(deep=True, grace_s=0).ok
+    assert verify(reg, deep=True, grace_s=0).ok
     assert reg.register_version(request(tmp_path, key="after", data=b"after")).number == 2
 
 
@@ -104,10 +105,10 @@ def test_gc_keeps_young_orphans_and_referenced_blobs(tmp_path: Path, backend: Ba
     src = tmp_path / "orphan.bin"
     src.write_bytes(b"nobody uses me")
     orphan = reg.blobs.put_file(src)
-    report = reg.gc()  # default grace: one hour
+    report = gc(reg)  # default grace: one hour
     assert report.blobs == [] and report.kept_young == 1
-    assert reg.verify().ok and reg.verify().in_flight == [orphan.sha256]
-    report = reg.gc(grace_s=0)
+    assert verify(reg).ok and verify(reg).in_flight == [orphan.sha256]
+    report = gc(reg, grace_s=0)
     assert report.blobs == [orphan.sha256] and not reg.blobs.exists(orphan.sha256)
     assert reg.blobs.exists(kept.files[0].sha256)
 
@@ -129,7 +130,7 @@ def test_flipped_byte_is_found_and_refused(tmp_path: Path, backend: Backend) -> 
     assert f"corrupt {digest}" in output
     assert "demo/BF16@1:demo-BF16.gguf" in output and "demo/F16@1:demo-F16.gguf" in output
     assert "demo/Q8_0" not in output.split("broken versions:")[1]
-    report = reg.verify(deep=True)
+    report = verify(reg, deep=True)
     assert report.broken_versions == ["demo/BF16@1", "demo/F16@1"]
 
     code, output = _cli("pull", "demo/F16@1", str(tmp_path / "out"), *backend.cli)
@@ -148,7 +149,7 @@ def test_missing_and_truncated_blobs(tmp_path: Path, backend: Backend) -> None:
     path_a.unlink()
     path_b.chmod(0o644)
     path_b.write_bytes(b"b" * 10)
-    report = reg.verify()
+    report = verify(reg)
     assert {(p.problem, p.sha256) for p in report.problems} == {("missing", a.files[0].sha256),
                                                                 ("size_mismatch", b.files[0].sha256)}
     assert report.broken_versions == ["demo/F16@1", "demo/Q8_0@1"]

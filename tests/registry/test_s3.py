@@ -11,6 +11,7 @@ import s3fs
 
 from pipeline.errors import IntegrityError
 from registry import Registry, open_registry
+from registry.integrity import gc, verify
 from registry.views import RegisterRequest
 from tests.registry.helpers import request
 from tests.registry.servers import PostgresServer, S3Server
@@ -43,14 +44,14 @@ def test_ingest_pull_verify_on_s3(kind: str, tmp_path: Path, s3: S3Server, reque
     assert b"".join(part) == b"q8q8"
     cached = reg.link_files("demo/F16", tmp_path / "model")[0]
     assert cached.is_symlink() and cached.read_bytes() == data  # engines read a verified local copy
-    assert reg.verify(deep=True, grace_s=0).ok
+    assert verify(reg, deep=True, grace_s=0).ok
 
     key = prefix.removeprefix("s3://") + f"/sha256/{a.files[0].sha256[:2]}/{a.files[0].sha256}"
     bad = bytearray(data)
     bad[77] ^= 0x01
     fs.pipe_file(key, bytes(bad))
-    assert reg.verify(grace_s=0).ok  # same size: only --deep re-hashes
-    report = reg.verify(deep=True, grace_s=0)
+    assert verify(reg, grace_s=0).ok  # same size: only --deep re-hashes
+    report = verify(reg, deep=True, grace_s=0)
     assert [(p.problem, p.sha256) for p in report.problems] == [("corrupt", a.files[0].sha256)]
     assert report.broken_versions == ["demo/BF16@1", "demo/F16@1"]
     with pytest.raises(IntegrityError):
@@ -66,11 +67,11 @@ def test_gc_on_s3(tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest) 
     orphan = reg.blobs.put_file(src)
     fs = s3fs.S3FileSystem(**s3.options)
     fs.pipe_file(prefix.removeprefix("s3://") + "/tmp/dead.incomplete", b"half")
-    assert reg.gc().blobs == []  # within the grace period
-    report = reg.gc(grace_s=0)
+    assert gc(reg).blobs == []  # within the grace period
+    report = gc(reg, grace_s=0)
     assert report.blobs == [orphan.sha256] and len(report.temp_files) == 1
     assert not reg.blobs.exists(orphan.sha256) and reg.blobs.exists(kept.files[0].sha256)
-    assert reg.verify(deep=True, grace_s=0).ok
+    assert verify(reg, deep=True, grace_s=0).ok
 
 
 def request_(tmp: Path, name: str, data: bytes) -> RegisterRequest:

@@ -1,7 +1,8 @@
-"""Runner side of the engine protocol. Standard library + numpy only: runners execute in
-foreign interpreters (managed tool environments) where nothing else of Quantyard is installed.
+"""Runner side of the engine protocol. Standard library + numpy (and the stdlib-only ``pipeline.cpu`` and
+``pipeline.fs``): runners execute in foreign interpreters (managed tool environments) that have neither
+pydantic nor gguf.
 
-A runner is started as ``python -m evaluators.runners.<engine> REQUEST.json``. The request holds
+A runner is started as ``python -m evaluators.<engine>.runner REQUEST.json``. The request holds
 ``model``, ``windows`` (npz from evaluators.windows), optional ``ref_topk`` (npz with
 ``topk_ids``), ``top_k``, ``threads``, ``out_dir`` and optional ``speed`` settings. The runner writes
 ``out_dir/logprobs.npz`` and, last, ``out_dir/result.json``; a missing ``result.json`` means the
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.cpu import cpu_flags
+from pipeline.fs import atomic_path, write_atomic
 
 BLOCK = 128  # positions per vectorised block: bounds memory at BLOCK x vocab floats
 
@@ -160,9 +162,8 @@ class Collector:
     def save(self, out_dir: Path) -> int:
         # Any: np.savez's stub types **kwds against its allow_pickle: bool too; the keys are the fixed names above.
         arrays: dict[str, Any] = {k: np.concatenate(v) for k, v in self.parts.items() if v}
-        tmp = out_dir / "logprobs.tmp.npz"
-        np.savez(tmp, **arrays)
-        os.replace(tmp, out_dir / "logprobs.npz")
+        with atomic_path(out_dir / "logprobs.npz") as tmp, tmp.open("wb") as fh:  # a file object: no .npz added
+            np.savez(fh, **arrays)
         return self.cursor
 
 
@@ -194,9 +195,7 @@ def stats(samples: list[float]) -> dict[str, float]:
 
 def write_result(out_dir: Path, result: dict[str, Any]) -> None:
     """Write result.json atomically; it is the runner's 'I finished' signal."""
-    tmp = out_dir / "result.tmp.json"
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out_dir / "result.json")
+    write_atomic(out_dir / "result.json", json.dumps(result, indent=2))
 
 
 class Timer:
