@@ -34,7 +34,7 @@ from typing import Any
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf import GGUFConverter, llama_cpp_bin_dir, tool_env
+from converters.gguf.converter import GGUFConverter, llama_cpp_bin_dir, tool_env
 from converters.source import resolve_source
 from evaluators.base import RunnerCommand, load_arrays, run_runner
 from evaluators.metrics import perplexity

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from pipeline.exl2_format import EXL2Linear, Group, dequantize, encode, padded
+from pipeline.exl2_codec import EXL2Linear, Group, dequantize, encode, padded
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in) of a 7B-class attention / MLP layer
 LAYOUTS = {"4b g128": [(4, 1.0)], "6/5b mix": [(6, 0.5), (5, 0.5)], "3/2b mix": [(3, 0.25), (2, 0.75)]}

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from converters.gguf import llama_cpp_bin_dir, tool_env
+from converters.gguf.converter import llama_cpp_bin_dir, tool_env
 from flows.steps import real_checkpoint
 from pipeline.config import Settings
 from pipeline.real_model import WEIGHTS_NOTE

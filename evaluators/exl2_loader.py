@@ -1,5 +1,5 @@
 """Load an EXL2 folder into a transformers model by dequantizing every EXL2 layer with Quantyard's
-reference codec (``pipeline.exl2_format``, which imports only torch), for CPU evaluation.
+reference codec (``pipeline.exl2_codec``, which imports only torch), for CPU evaluation.
 
 The model computes with exactly the fp16 weights the ExLlamaV2 kernels reconstruct (bit for bit),
 upcast to ``dtype``; everything else (embeddings, norms) is taken from the file as stored. This
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.exl2_format import dequantize, layer_prefixes, split_layer
+from pipeline.exl2_codec import dequantize, layer_prefixes, split_layer
 
 
 def read_tensors(folder: Path) -> dict[str, Any]:

@@ -143,7 +143,7 @@ def _context(plan: Plan, resolved: Resolved, settings: Settings) -> BuildContext
 def run_texts(plan: Plan, resolved: Resolved) -> dict[str, str]:
     """The texts a run measures and calibrates on, by origin: the evaluation text (when the plan
     evaluates) and the checkpoint's own calibration text (a converter adds the text a variant was calibrated
-    on when it differs, see converters/gguf.py)."""
+    on when it differs, see converters/gguf/converter.py)."""
     texts = {}
     if plan.eval.enabled:
         text, origin = eval_text(plan.eval, resolved)
@@ -375,8 +375,8 @@ def model_path(fmt: str, files: list[Path], folder: Path) -> Path:
 def real_checkpoint(settings: Settings, recipe: RealRecipe | None = None) -> Path:
     """The real pretrained checkpoint (pipeline/real_model.py), built once and cached; its tokenizer is
     checked against llama.cpp's on the original GGUF, on the whole evaluation and calibration texts."""
-    from converters.gguf import tool_env
-    from converters.gguf_tokenizer import check_parity
+    from converters.gguf.converter import tool_env
+    from converters.gguf.tokenizer import check_parity
     from pipeline.proc import failure_log_dir
 
     def parity(gguf: Path, checkpoint: Path, texts: dict[str, str], log_dir: Path) -> dict[str, Any]:

@@ -74,7 +74,7 @@ class FormatInfo:
 
 FORMATS: dict[QuantFormat, FormatInfo] = {
     QuantFormat.GGUF: FormatInfo(
-        format=QuantFormat.GGUF, label="GGUF", spec=GGUFSpec, converter="converters.gguf:GGUFConverter",
+        format=QuantFormat.GGUF, label="GGUF", spec=GGUFSpec, converter="converters.gguf.converter:GGUFConverter",
         engine=Engine.LLAMA_CPP, pool="cpu", tool_locks=(LLAMA_CPP_LOCK,), single_file=True, suffix=".gguf",
         magic=b"GGUF", own_tokenizer=True, shared_prepared=("base", "imatrix", "calibration"), plan_options="gguf",
         colour="#1f77b4", library_name="gguf",
@@ -82,13 +82,13 @@ FORMATS: dict[QuantFormat, FormatInfo] = {
         launcher=Launcher("llama.cpp server", "llama-server -m {path} --port 8080", suffix=".gguf"),
         hub=HubLayout(split_large_files=True)),
     QuantFormat.AWQ: FormatInfo(
-        format=QuantFormat.AWQ, label="AWQ", spec=AWQSpec, converter="converters.awq:AWQConverter",
+        format=QuantFormat.AWQ, label="AWQ", spec=AWQSpec, converter="converters.awq.converter:AWQConverter",
         engine=Engine.VLLM, fallback_engine=Engine.TRANSFORMERS, cross_check_engine=Engine.TRANSFORMERS,
         pool="gpu", tool_envs=("awq", "autoawq"), quant_methods=("awq", "compressed-tensors"), colour="#d62728",
         library_name="transformers", launcher=Launcher("vLLM", "vllm serve {dest} --served-model-name {variant}"),
         hub=HubLayout(one_variant_per_repo=True)),
     QuantFormat.EXL2: FormatInfo(
-        format=QuantFormat.EXL2, label="EXL2", spec=EXL2Spec, converter="converters.exl2:EXL2Converter",
+        format=QuantFormat.EXL2, label="EXL2", spec=EXL2Spec, converter="converters.exl2.converter:EXL2Converter",
         engine=Engine.EXLLAMAV2, fallback_engine=Engine.EXL2_REFERENCE, pool="gpu", tool_envs=("exl2",),
         quant_methods=("exl2",), colour="#2ca02c", library_name="exllamav2",
         launcher=Launcher("TabbyAPI (ExLlamaV2), from its checkout",

@@ -87,8 +87,9 @@ def test_the_scanner_finds_what_it_looks_for(tmp_path: Path) -> None:
 #: One package per engine (``evaluators/<engine>/``: ``evaluator.py``, and ``runner.py`` unless it runs another
 #: engine's runner, as exl2-reference runs the transformers one).
 ENGINE_PACKAGES = ("llamacpp", "vllm", "exllamav2", "transformers", "exl2_reference")
+FORMAT_PACKAGES = ("gguf", "awq", "exl2")
 #: What a runner may load of ``pipeline``: the standard-library-only modules, and the EXL2 codec (torch only).
-RUNNER_PIPELINE = frozenset({"pipeline", "pipeline.cpu", "pipeline.fs", "pipeline.errors", "pipeline.exl2_format"})
+RUNNER_PIPELINE = frozenset({"pipeline", "pipeline.cpu", "pipeline.fs", "pipeline.errors", "pipeline.exl2_codec"})
 #: What a runner may load of ``evaluators`` besides its own package: the protocol and the shared EXL2 loader.
 RUNNER_SHARED = frozenset({"evaluators", "evaluators.protocol", "evaluators.exl2_loader"})
 
@@ -147,11 +148,15 @@ def test_no_import_circle() -> None:
 
 
 def test_worker_and_runner_packages_import_nothing_of_the_core() -> None:
-    """Workers and runners run as ``python -m converters.workers.X`` / ``evaluators.<engine>.runner`` in tool
-    interpreters without pydantic or gguf: the package roots, every engine package's included, import nothing."""
+    """Workers and runners run as ``python -m converters.<format>.workers.X`` / ``evaluators.<engine>.runner``
+    in tool interpreters without pydantic or gguf: the package roots, every format and engine package's
+    included, import nothing."""
     engines = sorted(p.name for p in (ROOT / "evaluators").iterdir() if (p / "evaluator.py").is_file())
     assert engines == sorted(ENGINE_PACKAGES), "an engine package is missing from ENGINE_PACKAGES (or vice versa)"
-    roots = ["converters", "evaluators", "converters.workers", *(f"evaluators.{e}" for e in ENGINE_PACKAGES)]
+    formats = sorted(p.parent.name for p in (ROOT / "converters").glob("*/converter.py"))
+    assert formats == sorted(FORMAT_PACKAGES), "a format package is missing from FORMAT_PACKAGES (or vice versa)"
+    roots = ["converters", "evaluators", *(f"converters.{f}" for f in FORMAT_PACKAGES),
+             *(f"converters.{f}.workers" for f in FORMAT_PACKAGES), *(f"evaluators.{e}" for e in ENGINE_PACKAGES)]
     loaded = _loaded_after(", ".join(roots))
     assert set(loaded) == {"evaluators", *(f"evaluators.{e}" for e in ENGINE_PACKAGES)}, loaded
 

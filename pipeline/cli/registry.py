@@ -248,7 +248,7 @@ def publish(refs: Annotated[list[str], typer.Argument(help="MODEL/VARIANT[@VERSI
             split_mb: Annotated[int, typer.Option(help="Split GGUF files larger than this many MB.")] = 48_000,
             by: ByOpt = None, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
     """Publish versions to the Hugging Face Hub with a model card (metrics, lineage, base_model)."""
-    from converters.gguf import llama_cpp_bin_dir, tool_env
+    from converters.gguf.converter import llama_cpp_bin_dir, tool_env
     from pipeline.render import console
     from registry.publish import GGUFSplitter, PublishRequest
     from registry.publish import publish as run_publish

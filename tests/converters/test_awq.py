@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from converters.awq import AWQConverter, calibration_ids, safetensors_header
+from converters.awq.converter import AWQConverter, calibration_ids, safetensors_header
 from converters.checkpoint import load_checkpoint
 from flows.quantize import convert_flow
 from pipeline import envs
@@ -35,7 +35,7 @@ AUTOAWQ_TEST_OPTS: dict[str, object] = {"calibration_samples": 4, "calibration_s
 def test_llmcompressor_cpu_patch_is_still_needed_and_still_applies() -> None:
     """Fails when llm-compressor no longer needs the pin_memory patch on CPU, or when it moved."""
     python = envs.python_for("awq", Settings())
-    out = subprocess.run([python, "-m", "converters.workers.awq_llmcompressor", "--patch-check"],
+    out = subprocess.run([python, "-m", "converters.awq.workers.llmcompressor", "--patch-check"],
                          capture_output=True, text=True, env=child_env(), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])

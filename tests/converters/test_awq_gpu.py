@@ -56,7 +56,7 @@ def test_llmcompressor_awq_on_cuda_and_transformers_reads_it(tmp_path: Path) -> 
     ids = AutoTokenizer.from_pretrained(str(src))(text, add_special_tokens=False)["input_ids"]
     calib = np.asarray([[1, *ids[i * 127:(i + 1) * 127]] for i in range(8)], dtype=np.int32)
     np.save(tmp_path / "calib.npy", calib)
-    _run("converters.workers.awq_llmcompressor",
+    _run("converters.awq.workers.llmcompressor",
          {"model": str(src), "output": str(tmp_path / "awq"), "calibration": str(tmp_path / "calib.npy"), "bits": 4,
           "group_size": 128, "symmetric": False, "threads": 4, "result": str(tmp_path / "q.json")},
          tmp_path / "q-req.json")

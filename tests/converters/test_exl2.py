@@ -13,10 +13,10 @@ import pytest
 from safetensors import safe_open
 
 from converters.checkpoint import load_checkpoint, read_safetensors_header
-from converters.exl2 import EXL2Converter
+from converters.exl2.converter import EXL2Converter
 from pipeline.config import Settings
 from pipeline.errors import ToolchainMissingError, UnsupportedArchitectureError
-from pipeline.exl2_format import decode, layer_prefixes, split_layer
+from pipeline.exl2_codec import decode, layer_prefixes, split_layer
 from pipeline.specs import EXL2Backend, EXL2Spec
 from registry import open_registry
 from tests.exl2_support import exl2_demo  # noqa: F401  (session fixture)

@@ -1,5 +1,5 @@
-"""The EXL2 reference codec: the layout (pipeline/exl2_format.py) and the quantizer
-(converters/exl2_codec.py). Property tests with hypothesis; the parity test against exllamav2 itself
+"""The EXL2 reference codec: the layout (pipeline/exl2_codec.py) and the quantizer
+(converters/exl2/quantizer.py). Property tests with hypothesis; the parity test against exllamav2 itself
 is the golden-fixture test (tests/converters/test_exl2_golden.py) and the GPU check."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from converters.exl2_codec import OPTIONS, Candidates, Option, allocate, find_group_params, gptq, lower_hull
+from converters.exl2.quantizer import OPTIONS, Candidates, Option, allocate, find_group_params, gptq, lower_hull
 from pipeline.errors import EXL2FormatError
-from pipeline.exl2_format import (
+from pipeline.exl2_codec import (
     BITS,
     EXL2Linear,
     Group,
@@ -196,7 +196,7 @@ def test_gptq_error_falls_with_bits_and_beats_round_to_nearest() -> None:
     errors = [gptq(w, h, Option(((b, 1.0),), 32).groups(128)).error for b in BITS]
     assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0] / 1000
     rtn = gptq(w, torch.eye(128), Option(((3, 1.0),), 32).groups(128)).layer  # identity H: plain rounding
-    from converters.exl2_codec import relative_error
+    from converters.exl2.quantizer import relative_error
 
     rtn_err = relative_error(w, dequantize_layer(rtn).float(), h)
     assert gptq(w, h, Option(((3, 1.0),), 32).groups(128)).error < rtn_err / 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.exl2_format import decode, dequantize_layer, split_layer
+from pipeline.exl2_codec import decode, dequantize_layer, split_layer
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "exl2"
 GOLDEN = FIXTURES / "golden.safetensors"

@@ -17,10 +17,10 @@ import torch
 
 from converters.base import BuildContext, Calibration
 from converters.checkpoint import load_checkpoint
-from converters.exl2 import EXL2Converter
+from converters.exl2.converter import EXL2Converter
 from converters.source import resolve_source
 from pipeline.config import Settings
-from pipeline.exl2_format import decode, dequantize_layer, layer_prefixes, split_layer
+from pipeline.exl2_codec import decode, dequantize_layer, layer_prefixes, split_layer
 from pipeline.specs import EXL2Backend, EXL2Spec
 from tests.exl2_support import exl2_runtime, gpu_demo  # noqa: F401  (fixtures)
 

@@ -9,7 +9,7 @@ from gguf import GGUFReader
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf import GGUFConverter, inspect_gguf, llama_cpp_bin_dir, tool_env
+from converters.gguf.converter import GGUFConverter, inspect_gguf, llama_cpp_bin_dir, tool_env
 from converters.source import resolve_source
 from pipeline.config import Settings
 from pipeline.errors import TokenizerUnsupportedError, UnsupportedArchitectureError

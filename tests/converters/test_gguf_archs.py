@@ -16,7 +16,7 @@ from gguf import GGUFReader, LlamaFileType
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf import GGUFConverter
+from converters.gguf.converter import GGUFConverter
 from converters.source import resolve_source
 from flows.quantize import convert_flow
 from pipeline.config import Settings

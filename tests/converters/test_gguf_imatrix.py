@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf import GGUFConverter, ImatrixRequest, llama_cpp_bin_dir, tool_env
-from converters.gguf_imatrix import ensure_imatrix
+from converters.gguf.converter import GGUFConverter, ImatrixRequest, llama_cpp_bin_dir, tool_env
+from converters.gguf.imatrix import ensure_imatrix
 from converters.source import resolve_source
 from flows.quantize import convert_flow
 from flows.validate import ValidateOptions, validate

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from converters.checkpoint import load_checkpoint
-from converters.gguf import choose_base_type
+from converters.gguf.converter import choose_base_type
 from converters.source import resolve_source
 from flows import steps
 from pipeline.config import Settings

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGUFReader
 from typer.testing import CliRunner
 
-from converters.gguf_split import PART_RE, inspect_parts
+from converters.gguf.split import PART_RE, inspect_parts
 from flows.quantize import convert_flow
 from flows.validate import ValidateOptions, validate
 from pipeline.cli import app

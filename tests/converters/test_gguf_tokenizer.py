@@ -14,8 +14,8 @@ import pytest
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf import GGUFConverter, tool_env
-from converters.gguf_tokenizer import PROBE_TEXT, check_parity, hf_tokens
+from converters.gguf.converter import GGUFConverter, tool_env
+from converters.gguf.tokenizer import PROBE_TEXT, check_parity, hf_tokens
 from converters.source import resolve_source
 from flows.quantize import convert_flow
 from flows.steps import real_checkpoint

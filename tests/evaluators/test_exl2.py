@@ -16,7 +16,7 @@ from evaluators.engines import engine_for, get_evaluator
 from evaluators.exl2_loader import load_exl2_as_hf
 from pipeline.config import Settings
 from pipeline.errors import EngineError
-from pipeline.exl2_format import dequantize, layer_prefixes, split_layer
+from pipeline.exl2_codec import dequantize, layer_prefixes, split_layer
 from pipeline.plan import EvalSpec, SpeedSpec
 from registry import open_registry
 from tests.exl2_support import exl2_demo  # noqa: F401  (session fixture)

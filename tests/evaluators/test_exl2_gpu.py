@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from converters.exl2 import EXL2Converter
+from converters.exl2.converter import EXL2Converter
 from evaluators.exl2_reference.evaluator import EXL2ReferenceEvaluator
 from evaluators.exllamav2.evaluator import ExLlamaV2Evaluator
 from evaluators.reference import run_reference

@@ -157,7 +157,7 @@ def _llama_perplexity(model: Path, text: Path, ctx: int, chunks: int) -> float:
     import re
     import subprocess
 
-    from converters.gguf import llama_cpp_bin_dir, tool_env
+    from converters.gguf.converter import llama_cpp_bin_dir, tool_env
 
     cmd = [str(llama_cpp_bin_dir() / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx),
            "-b", str(ctx), "--chunks", str(chunks), "-t", "2", "-tb", "2"]

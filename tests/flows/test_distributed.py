@@ -133,7 +133,7 @@ def _wait_for_quantizer(cluster: PrefectCluster, worker_pid: int, timeout: float
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "converters.workers.llama_quantize" in cmd:
+            if "converters.gguf.workers.quantize" in cmd:
                 return pid
         time.sleep(0.05)
     raise AssertionError(f"no quantization started within {timeout} s:\n{cluster.log('worker-cpu')[-3000:]}")

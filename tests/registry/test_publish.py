@@ -13,7 +13,7 @@ from gguf import GGUFReader
 from huggingface_hub import ModelCard
 from typer.testing import CliRunner
 
-from converters.gguf import llama_cpp_bin_dir, tool_env
+from converters.gguf.converter import llama_cpp_bin_dir, tool_env
 from pipeline.cli import app
 from pipeline.errors import IllegalTransitionError, IntegrityError
 from registry import open_registry

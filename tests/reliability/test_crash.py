@@ -18,7 +18,8 @@ from registry import open_registry
 
 TYPES = "Q8_0,Q4_K_M"
 # every engine's runner runs as `python -m evaluators.<engine>.runner`
-OUR_CHILDREN = (b"convert_hf_to_gguf.py", b"converters.workers", b"evaluators.llamacpp.runner",
+OUR_CHILDREN = (b"convert_hf_to_gguf.py", b"converters.gguf.workers", b"converters.awq.workers",
+                b"converters.exl2.workers", b"evaluators.llamacpp.runner",
                 b"evaluators.vllm.runner", b"evaluators.exllamav2.runner", b"evaluators.transformers.runner")
 
 
@@ -118,7 +119,7 @@ def test_kill_at_each_stage_then_resume(tmp_path: Path, demo_model: Path, prefec
     assert not (registry / "registry.db").exists() or open_registry(str(registry)).list_models() == []
 
     # 2. during quantization of the second type: the first is registered, the base is cached
-    _run_and_kill(cmd, env, child=b"converters.workers.llama_quantize")
+    _run_and_kill(cmd, env, child=b"converters.gguf.workers.quantize")
     # 3. during registration: the register task starts as soon as the build task has finished
     _run_and_kill(cmd, env, log_line="Task run 'build-Q4_K_M' - Finished")
     # 4. during evaluation

@@ -1,7 +1,7 @@
 """Quantyard's reference EXL2 quantizer (CPU, pure torch): per-layer GPTQ with activation order at a
 chosen bit layout, per-layer error measurement, and a greedy bit allocation that meets a target bpw.
 
-It writes tensors in exllamav2's exact layout (``pipeline/exl2_format.py``), so exllamav2 can load
+It writes tensors in exllamav2's exact layout (``pipeline/exl2_codec.py``), so exllamav2 can load
 them, but it is **not** exllamav2's optimizer. Differences, stated plainly:
 
 * Candidate layouts (:data:`OPTIONS`) are Quantyard's own short list of uniform and two-width mixes,
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.errors import ConversionError, InvalidSpecError
-from pipeline.exl2_format import (
+from pipeline.exl2_codec import (
     BITS,
     ROW_ALIGN,
     EXL2Linear,

@@ -5,10 +5,10 @@
   ``-om measurement.json``, which is registered as an artifact of the source; each bpw is then
   ``-m measurement.json -b BPW -hb HEAD``. Every job runs in a work folder that persists, so an
   interrupted conversion resumes from its ``job_new.json``.
-* ``reference-cpu``: Quantyard's reference codec (``converters/exl2_codec.py``,
-  ``converters/exl2_reference.py``, ``pipeline/exl2_format.py``) in a worker subprocess of the core
+* ``reference-cpu``: Quantyard's reference codec (``converters/exl2/quantizer.py``,
+  ``converters/exl2/reference.py``, ``pipeline/exl2_codec.py``) in a worker subprocess of the core
   interpreter: the same "measure once, quantize per bpw" shape, the same file layout, but GPTQ with a
-  greedy allocation instead of exllamav2's optimizer (see ``converters/exl2_codec.py``).
+  greedy allocation instead of exllamav2's optimizer (see ``converters/exl2/quantizer.py``).
 
 A spec without a backend gets ``exllamav2`` where it can run, else ``reference-cpu``
 (:meth:`EXL2Converter.resolve_spec`, applied by the flow before build keys are computed).
@@ -35,8 +35,8 @@ from pipeline.errors import ConfigError, ConversionError, DiskFullError, Unsuppo
 from pipeline.proc import ProcResult, child_env, failure_log_dir, run_logged
 from pipeline.specs import EXL2Backend, EXL2Spec, QuantFormat
 
-REFERENCE_WORKER = "converters.workers.exl2_reference"
-PARQUET_WORKER = "converters.workers.exl2_parquet"
+REFERENCE_WORKER = "converters.exl2.workers.reference"
+PARQUET_WORKER = "converters.exl2.workers.parquet"
 CONVERT_MODULE = "exllamav2.conversion.convert_exl2"
 CODEC_VERSION = "1"  # reference-cpu: bump whenever the bytes it writes change
 MEASUREMENT_KIND = "exl2_measurement"
@@ -345,7 +345,7 @@ def inspect_exl2(folder: Path, ckpt: Checkpoint | None = None) -> dict[str, Any]
     from safetensors import safe_open
 
     from pipeline.errors import EXL2FormatError
-    from pipeline.exl2_format import decode_groups, padded, storage_bits
+    from pipeline.exl2_codec import decode_groups, padded, storage_bits
 
     config = json.loads((folder / "config.json").read_text())
     if (config.get("quantization_config") or {}).get("quant_method") != "exl2":

@@ -1,11 +1,11 @@
 """The reference-cpu EXL2 backend at model level: calibration, measurement, allocation, writing.
 
-Runs inside ``converters.workers.exl2_reference`` (a subprocess of the core interpreter), never in
+Runs inside ``converters.exl2.workers.reference`` (a subprocess of the core interpreter), never in
 the orchestrating process. Two steps, mirroring exllamav2's "measure once, quantize per bpw":
 
 * :func:`measure`: tokenize the calibration text into rows × length, run the unquantized model
   once collecting every linear layer's input Hessian ``XᵀX``, quantize every decoder layer at every
-  candidate layout (``converters.exl2_codec.OPTIONS``) and record exact bits and relative error.
+  candidate layout (``converters.exl2.quantizer.OPTIONS``) and record exact bits and relative error.
   Writes ``measurement.json`` and ``hessians.safetensors``.
 * :func:`quantize`: for each requested bpw, allocate bits from the measurement, GPTQ every decoder
   layer at its layout and the head at ``head_bits``, and write an exllamav2-style folder: ``output.safetensors``
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from converters.exl2 import CODEC_VERSION
-from converters.exl2_codec import OPTIONS, Candidates, allocate, gptq, head_option, measure_layer
+from converters.exl2.converter import CODEC_VERSION
+from converters.exl2.quantizer import OPTIONS, Candidates, allocate, gptq, head_option, measure_layer
 from pipeline.errors import InvalidSpecError
-from pipeline.exl2_format import encode, storage_bits
+from pipeline.exl2_codec import encode, storage_bits
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")

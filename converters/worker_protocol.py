@@ -1,7 +1,7 @@
 """Worker side of the converter request/result protocol (standard library and the stdlib-only
 ``pipeline.fs``: workers run in managed tool environments that have neither pydantic nor gguf).
 
-A worker is started as ``python -m converters.workers.NAME REQUEST.json``; the request names the
+A worker is started as ``python -m converters.<format>.workers.NAME REQUEST.json``; the request names the
 ``result`` path, which the worker writes last and atomically: a missing result file means it died.
 """
 

@@ -1,6 +1,6 @@
 """AWQ with AutoAWQ 0.2.9 (legacy GEMM layout), run in the ``autoawq`` tool environment.
 
-``python -m converters.workers.awq_autoawq REQUEST.json`` with the same request as
+``python -m converters.awq.workers.autoawq REQUEST.json`` with the same request as
 ``awq_llmcompressor`` (``model``, ``output``, ``calibration`` npy of token ids, ``bits``,
 ``group_size``, ``symmetric``, ``threads``, ``seed``, ``result``). Writes ``quant_method: awq``,
 ``version: gemm`` with ``qweight``/``qzeros``/``scales`` tensors, for stacks that need that layout.
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from converters.workers._protocol import read_request, write_result
+from converters.worker_protocol import read_request, write_result
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -52,7 +52,7 @@ def quantize(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    req = read_request("converters.workers.awq_autoawq")
+    req = read_request("converters.awq.workers.autoawq")
     write_result(req["result"], quantize(req))
     return 0
 

@@ -1,7 +1,7 @@
 """The EXL2 tensor layout: pack, unpack, dequantize and size one quantized linear layer.
 
 This is the *format* half of Quantyard's EXL2 reference codec (the quantizer that writes it is
-``converters/exl2_codec.py``). It lives in the pipeline core, imports only the standard library,
+``converters/exl2/quantizer.py``). It lives in the pipeline core, imports only the standard library,
 ``torch`` and ``pipeline.errors``, and is therefore importable by the converter, by the
 transformers runner that evaluates EXL2 on CPU (``evaluators/exl2_loader.py``, which may run
 in any interpreter that has torch) and by the GPU truth script; an import-linter contract keeps it

@@ -4,13 +4,13 @@
   from the pinned llama-cpp-python sdist, run as a subprocess with that sdist's
   ``gguf-py`` first on ``PYTHONPATH`` (PyPI ``gguf`` is too old for the script).
 * Each type is produced from the base by ``llama_model_quantize`` in a worker
-  subprocess (``converters.workers.llama_quantize``): byte-identical to ``llama-quantize``,
+  subprocess (``converters.gguf.workers.quantize``): byte-identical to ``llama-quantize``,
   and a crash there cannot take the flow down.
 * imatrix quants (``i1-*``) use an importance matrix computed once per source and calibration
-  text by ``llama-imatrix`` on the base (``converters.gguf_imatrix``) and ``llama-quantize --imatrix``.
+  text by ``llama-imatrix`` on the base (``converters.gguf.imatrix``) and ``llama-quantize --imatrix``.
 * Every output is checked with ``gguf.GGUFReader`` (architecture, file type, tensor count) and for
-  tokenizer parity with the HF tokenizer (``converters.gguf_tokenizer``), then optionally split
-  into parts by ``llama-gguf-split`` (``converters.gguf_split``).
+  tokenizer parity with the HF tokenizer (``converters.gguf.tokenizer``), then optionally split
+  into parts by ``llama-gguf-split`` (``converters.gguf.split``).
 
 The base is cached under ``WORK/gguf-base/<source>/<toolchain>/`` so that adding a
 type later, or re-running, never converts twice; the imatrix is cached next to it.
@@ -30,10 +30,10 @@ from typing import Any, ClassVar
 
 from converters.base import BuildContext, BuiltVariant, Prepared
 from converters.checkpoint import Checkpoint
-from converters.gguf_imatrix import ImatrixRequest, ensure_imatrix
-from converters.gguf_split import inspect_parts, split_gguf
-from converters.gguf_tokenizer import check_parity
-from converters.sanity import gguf_sanity, gguf_structure
+from converters.gguf.imatrix import ImatrixRequest, ensure_imatrix
+from converters.gguf.sanity import gguf_sanity, gguf_structure
+from converters.gguf.split import inspect_parts, split_gguf
+from converters.gguf.tokenizer import check_parity
 from pipeline.config import Settings
 from pipeline.errors import (
     ConfigError,
@@ -50,7 +50,7 @@ from pipeline.plan import GGUFOptions
 from pipeline.proc import child_env, failure_log_dir, run_logged, with_path_prefix
 from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, GGUFType, QuantFormat
 
-WORKER = "converters.workers.llama_quantize"
+WORKER = "converters.gguf.workers.quantize"
 IMATRIX_KIND = "imatrix"
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from pipeline.errors import ConversionError, TokenizerMismatchError
 from pipeline.proc import run_logged
 
-WORKER = "converters.workers.gguf_tokenize"
+WORKER = "converters.gguf.workers.tokenize"
 CONTEXT = 4  # tokens shown on each side of the first difference
 
 #: The probe: what pre-tokenizers disagree on. Never edit it silently: its sha256 is recorded in lineage.

@@ -30,7 +30,7 @@ def main() -> int:
     req = json.loads(sys.stdin.read())
     import torch
 
-    from converters.exl2_reference import measure, quantize
+    from converters.exl2.reference import measure, quantize
 
     torch.set_num_threads(int(req["threads"]))
     summary: dict[str, Any] = {}

@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from converters.awq.sanity import awq_sanity
 from converters.base import BuildContext, BuiltVariant, Prepared
 from converters.checkpoint import Checkpoint
-from converters.sanity import awq_sanity
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.cpu import cpu_compute_dtype, cpu_flags
@@ -37,8 +37,8 @@ from pipeline.specs import AWQBackend, AWQSpec, QuantFormat
 from pipeline.texts import calibration_text as pick_calibration_text
 from pipeline.texts import text_sha256
 
-WORKERS = {AWQBackend.LLMCOMPRESSOR: "converters.workers.awq_llmcompressor",
-           AWQBackend.AUTOAWQ: "converters.workers.awq_autoawq"}
+WORKERS = {AWQBackend.LLMCOMPRESSOR: "converters.awq.workers.llmcompressor",
+           AWQBackend.AUTOAWQ: "converters.awq.workers.autoawq"}
 ENV_OF = {AWQBackend.LLMCOMPRESSOR: "awq", AWQBackend.AUTOAWQ: "autoawq"}
 #: Pinned packages named in the tool identity (read from the environment's requirement file).
 KEY_PACKAGES = {"awq": ("llmcompressor", "compressed-tensors", "transformers", "torch"),

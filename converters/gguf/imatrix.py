@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from converters.checkpoint import file_sha256
-from converters.gguf_tokenizer import gguf_tokens
+from converters.gguf.tokenizer import gguf_tokens
 from pipeline.errors import ConfigError, ConversionError
 from pipeline.fs import atomic_path, write_atomic
 from pipeline.proc import run_logged

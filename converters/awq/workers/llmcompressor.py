@@ -1,6 +1,6 @@
 """AWQ with llm-compressor, run in the ``awq`` tool environment.
 
-``python -m converters.workers.awq_llmcompressor REQUEST.json`` where the request holds
+``python -m converters.awq.workers.llmcompressor REQUEST.json`` where the request holds
 ``model`` (source folder), ``output`` (folder to create), ``calibration`` (npy of int token ids
 [n_samples, seq_len], tokenized by Quantyard with the source's tokenizer), ``bits``,
 ``group_size``, ``symmetric``, ``threads``, ``seed`` and ``result`` (where to write the result
@@ -8,7 +8,7 @@ JSON). The recipe is ``AWQModifier(duo_scaling="both")`` followed by a weight-on
 ``QuantizationModifier`` on every ``Linear`` except ``lm_head``; the model is saved in
 compressed-tensors ``pack-quantized`` format.
 
-``python -m converters.workers.awq_llmcompressor --patch-check`` reports whether the CPU
+``python -m converters.awq.workers.llmcompressor --patch-check`` reports whether the CPU
 ``pin_memory`` patch below is still needed and still applies (tests/converters/test_awq.py
 fails when either stops being true).
 
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from converters.workers._protocol import read_request, write_result
+from converters.worker_protocol import read_request, write_result
 
 #: The error llm-compressor 0.14 raises on a machine without an accelerator (TOOLCHAINS.md).
 PIN_ERROR = "Cannot access accelerator device when none is available"
@@ -141,7 +141,7 @@ def main() -> int:
     if sys.argv[1:] == ["--patch-check"]:
         print(json.dumps(patch_check()))
         return 0
-    req = read_request("converters.workers.awq_llmcompressor", " | --patch-check")
+    req = read_request("converters.awq.workers.llmcompressor", " | --patch-check")
     write_result(req["result"], quantize(req))
     return 0
 

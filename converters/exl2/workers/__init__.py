@@ -1,0 +1,1 @@
+"""EXL2 workers, run as ``python -m converters.exl2.workers.<name>``."""
