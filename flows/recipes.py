@@ -3,7 +3,7 @@ stages on the work pools (``orchestrate_flow``), then the recipe's quality polic
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -59,23 +59,10 @@ def judge(report: ConvertReport, recipe: Recipe, settings: Settings) -> list[Ver
             continue
         version = reg.get_version(out.ref)
         limits = policy.limits_for(out.variant, quant_class(out.format, version.spec))
-        problems = _problems(out.quality, limits.model_dump())
+        problems = limits.problems(out.quality)
         verdict = Verdict(variant=out.variant, ref=out.ref, passed=not problems, problems=problems)
         if verdict.passed and recipe.policy.promote and version.state == "candidate":
             reg.set_state(out.ref, "validated", note="recipe policy")
             verdict.promoted = True
         verdicts.append(verdict)
     return verdicts
-
-
-def _problems(quality: dict[str, Any], limits: dict[str, Any]) -> list[str]:
-    out = []
-    checks = (("kld_mean", "max_kld", max), ("delta_ppl_pct", "max_delta_ppl_pct", max),
-              ("top1_agreement", "min_top1", min))
-    for metric, limit, kind in checks:
-        value, bound = quality.get(metric), limits.get(limit)
-        if value is None or bound is None:
-            continue
-        if (kind is max and value > bound) or (kind is min and value < bound):
-            out.append(f"{metric} {value:.6g} {'>' if kind is max else '<'} {limit} {bound:.6g}")
-    return out

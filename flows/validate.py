@@ -71,7 +71,7 @@ def detect_format(path: Path) -> str:
         for info in singles:
             if (info.magic and head.startswith(info.magic)) or path.suffix == info.suffix:
                 return str(info.format)
-        raise InvalidSpecError(f"{path} is no {', '.join(i.label for i in singles)} file, nor a folder",
+        raise InvalidSpecError(f"{path} is neither a {' or '.join(i.label for i in singles)} file nor a folder",
                                hint="pass a quantized file or folder, or a registry reference")
     cfg = path / "config.json"
     if path.is_dir() and cfg.is_file():
@@ -233,14 +233,7 @@ def check_quality(target: Target, settings: Settings, opts: ValidateOptions, wor
     m = _quality_metrics(target, settings, opts, work)
     found: dict[str, Any] = {"kld_mean": m.get("kld_mean"), "delta_ppl_pct": m.get("delta_ppl_pct"),
                              "top1": m.get("top1_agreement")}
-    problems = []
-    if limits.max_kld is not None and not (found["kld_mean"] is not None and found["kld_mean"] <= limits.max_kld):
-        problems.append(f"mean KLD {found['kld_mean']:.6g} > {limits.max_kld}")
-    if limits.max_delta_ppl_pct is not None and not (
-            found["delta_ppl_pct"] is not None and found["delta_ppl_pct"] <= limits.max_delta_ppl_pct):
-        problems.append(f"ΔPPL {found['delta_ppl_pct']:.4g}% > {limits.max_delta_ppl_pct}%")
-    if limits.min_top1 is not None and not (found["top1"] is not None and found["top1"] >= limits.min_top1):
-        problems.append(f"top-1 agreement {found['top1']:.4f} < {limits.min_top1}")
+    problems = limits.problems(m)
     details = {"class": cls, "limits": limits.model_dump(), **found, "window_set_id": m.get("window_set_id"),
                "engine": m.get("engine"), "reused_result": m.get("reused")}
     if problems:

@@ -8,6 +8,7 @@ them. ΔPPL and top-1 limits are looser companions derived the same way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,30 @@ from pipeline.errors import ConfigError, InvalidSpecError
 from pipeline.formats import parse_variant_spec
 from pipeline.specs import Frozen
 
+#: The checks of :class:`QualityLimits`: (metric of a quality result, limit field, the limit is a maximum).
+QUALITY_CHECKS: tuple[tuple[str, str, bool], ...] = (
+    ("kld_mean", "max_kld", True), ("delta_ppl_pct", "max_delta_ppl_pct", True), ("top1_agreement", "min_top1", False))
+
 
 class QualityLimits(Frozen):
     max_kld: float | None = Field(default=None, ge=0)
     max_delta_ppl_pct: float | None = None
     min_top1: float | None = Field(default=None, ge=0, le=1)
+
+    def problems(self, quality: Mapping[str, Any]) -> list[str]:
+        """What in ``quality`` (a quality result's metrics) breaks these limits, one line each. The one
+        quality check of Quantyard (``validate`` and a recipe's policy both use it): a metric that a set
+        limit needs but ``quality`` lacks is a problem too, so a gate never passes on a missing number."""
+        out = []
+        for metric, field, is_max in QUALITY_CHECKS:
+            bound, value = getattr(self, field), quality.get(metric)
+            if bound is None:
+                continue
+            if value is None:
+                out.append(f"{metric} missing (needed by {field} {bound:.6g})")
+            elif (value > bound) if is_max else (value < bound):
+                out.append(f"{metric} {value:.6g} {'>' if is_max else '<'} {field} {bound:.6g}")
+        return out
 
 
 DEFAULT_CLASSES: dict[str, QualityLimits] = {

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from pydantic import ValidationError
 
-from pipeline.errors import EXIT_ENGINE, EXIT_INTERNAL, ConfigError, QuantyardError
+from pipeline.errors import EXIT_ENGINE, EXIT_INTERNAL, ConfigError, InvalidSpecError, QuantyardError
 
 app = typer.Typer(name="quantyard", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Convert Hugging Face causal LMs to GGUF / AWQ / EXL2, evaluate them on their engines "
@@ -65,7 +66,11 @@ def handle_errors(fn: F) -> F:
         from pipeline.render import err_console, print_json
 
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except ValidationError as exc:  # input a model rejected (a flag out of range…): bad input, exit 2
+                raise InvalidSpecError(f"invalid input: {validation_problems(exc)}",
+                                       hint="see --help for the values each option accepts") from exc
         except QuantyardError as exc:
             if kwargs.get("as_json"):
                 print_json(exc.to_dict())
@@ -84,6 +89,11 @@ def handle_errors(fn: F) -> F:
             raise typer.Exit(EXIT_INTERNAL) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def validation_problems(exc: ValidationError) -> str:
+    """A pydantic ValidationError in one line: ``field: message`` for each problem."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
 
 
 def flag_groups(order: Sequence[str]) -> Callable[[F], F]:

@@ -111,7 +111,7 @@ def test_a_throw_away_format_converts_evaluates_registers_and_lists(
     cfg = make_settings(tmp_path / "registry", tmp_path / "work", cache_dir)
     plan = Plan.model_validate({"source": SourceInput(source=str(demo_model)).model_dump(), "model_name": "demo",
                                 "variants": [{"format": "toy"}],
-                                "eval": EvalSpec(max_windows=4, speed=SpeedSpec(enabled=False)).model_dump()})
+                                "eval": EvalSpec(max_windows=2, speed=SpeedSpec(enabled=False)).model_dump()})
     report = convert_flow(plan, cfg)
     assert report.ok, report
     (out,) = report.variants

@@ -155,3 +155,9 @@ def test_flag_groups_must_name_every_flag_once() -> None:
     with pytest.raises(TypeError, match="flag order"):
         flag_groups(["a", "b", "c"])(command)
     assert list(inspect.signature(flag_groups(["b", "a"])(command)).parameters) == ["b", "a"]
+
+
+def test_a_flag_a_model_rejects_is_bad_input_not_an_internal_error(demo_model: Path) -> None:
+    result = CliRunner().invoke(app, ["convert", str(demo_model), "--gguf", "Q8_0", "--top-k", "0"])
+    assert result.exit_code == 2, result.output
+    assert "top_k" in result.output and "internal error" not in result.output
