@@ -142,11 +142,17 @@ class AWQConverter:
                 prepared.events.append(f"env_build:{info.name}")
         return prepared
 
+    def build_inputs(self, ctx: BuildContext, spec: AWQSpec) -> dict[str, Any]:
+        """Inputs besides the spec that change the bytes (part of the build key): the compute dtype, when
+        calibration does not run in the checkpoint's own."""
+        compute = self.compute_dtype(ctx.checkpoint)
+        return {"compute_dtype": compute} if compute else {}
+
     def compute_dtype(self, checkpoint: Checkpoint) -> str | None:
         """The dtype calibration runs in when it is not the checkpoint's own (None: its own). On CPU a
         bfloat16 checkpoint is calibrated in float32 unless the CPU has native bfloat16 (AVX-512 BF16, AMX):
         torch's bfloat16 matmuls are about 7× slower than float32 on an AVX2-only CPU. The output is saved
-        in the checkpoint's dtype either way. Part of the build key (flows.steps.build_inputs)."""
+        in the checkpoint's dtype either way. Part of the build key (:meth:`build_inputs`)."""
         if envs.detect_accelerator(self.settings) == "cuda":
             return None
         own = checkpoint_dtype_name(checkpoint)

@@ -143,3 +143,22 @@ def test_autoawq_backend_quantizes_and_vllm_cpu_evaluates(tmp_path: Path, awq_re
     view = open_registry(str(registry)).get_version(out.ref)
     assert view.lineage["info"]["quant_method"] == "awq" and view.lineage["info"]["format"] == "gemm"
     assert "autoawq==0.2.9" in view.lineage["tool"]["environment"]["pip_freeze"]
+
+
+def test_build_key_holds_the_compute_dtype(demo_model: Path, settings: Settings, tmp_path: Path) -> None:
+    """A bf16 checkpoint calibrated in fp32 (a CPU without native bf16) gives other bytes than one calibrated
+    in bf16: the compute dtype is a build input; a checkpoint calibrated in its own dtype adds none."""
+    from converters.source import resolve_source
+    from flows import steps
+    from pipeline.cpu import cpu_compute_dtype
+    from tests.factories import random_checkpoint
+
+    spec = AWQSpec()
+    plan = Plan(source=SourceInput(source=str(demo_model)), variants=(spec,))
+    for dtype in ("bfloat16", "float32"):
+        path = random_checkpoint(tmp_path / dtype, demo_model, layers=1, dtype=dtype)
+        resolved = steps.Resolved(source=resolve_source(str(path), cache_dir=settings.cache_dir), model_name="x",
+                                  checkpoint=load_checkpoint(path))
+        chosen = cpu_compute_dtype(dtype)
+        expected = {} if chosen == dtype else {"compute_dtype": chosen}
+        assert steps.build_inputs(plan, resolved, spec, settings) == expected, (dtype, chosen)
