@@ -398,7 +398,7 @@ def check_tokenizer_parity(target: Target, settings: Settings, work: Path) -> tu
     try:
         converter = steps.make_converter(target.fmt, Plan(source=SourceInput(source=target.source_text),
                                                           variants=()), settings)
-        record = converter.tokenizer_parity(target.model_path, resolved.checkpoint.path, texts, log_dir, settings)
+        record = converter.tokenizer_parity(target.model_path, resolved.checkpoint.path, texts, log_dir)
     except TokenizerMismatchError as exc:
         raise CheckFailed(exc.message, position=exc.position, hf=exc.expected, gguf=exc.found) from exc
     n_text = sum(r["tokens_hf"] for label, r in record["texts"].items() if label != "probe")

@@ -49,6 +49,7 @@ from pipeline.fs import atomic_path, write_atomic
 from pipeline.plan import GGUFOptions
 from pipeline.proc import child_env, failure_log_dir, run_logged, with_path_prefix
 from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, GGUFType, QuantFormat
+from pipeline.texts import file_text, text_sha256
 
 WORKER = "converters.gguf.workers.quantize"
 IMATRIX_KIND = "imatrix"
@@ -139,8 +140,7 @@ class GGUFConverter:
         return (f"GGUF {summary['architecture']} file type {summary['file_type']}, {summary['tensors']} tensors, "
                 f"tokenizer {summary['tokenizer_model']}"), summary
 
-    def tokenizer_parity(self, model: Path, checkpoint: Path, texts: dict[str, str], log_dir: Path,
-                         settings: Settings) -> dict[str, Any]:
+    def tokenizer_parity(self, model: Path, checkpoint: Path, texts: dict[str, str], log_dir: Path) -> dict[str, Any]:
         """The GGUF's tokenization of the probe and ``texts`` against the HF tokenizer of ``checkpoint``.
         Raises TokenizerMismatchError at the first differing token."""
         return check_parity(model, checkpoint, python=self.python, env=tool_env(), log_dir=log_dir, timeout_s=600,
@@ -238,18 +238,15 @@ class GGUFConverter:
         """
         name = self.options.calibration.file
         if name:
-            path = Path(name).expanduser()
-            if not path.is_file():
-                raise ConfigError(f"calibration text {path} does not exist", hint="pass an existing --calibration FILE")
-            data, origin = path.read_bytes(), f"file:{path.name}"
+            text, origin = file_text(name, what="calibration text", hint="pass an existing --calibration FILE")
         elif ctx.calibration is not None:
-            data, origin = ctx.calibration.text.encode("utf-8"), ctx.calibration.origin
+            text, origin = ctx.calibration.text, ctx.calibration.origin
         else:
             raise ConfigError("imatrix quants were requested but no calibration text was given",
                               hint="pass --imatrix (the default calibration text is used without --calibration)")
-        path = ctx.settings.work_root / "calibration" / f"{hashlib.sha256(data).hexdigest()}.txt"
+        path = ctx.settings.work_root / "calibration" / f"{text_sha256(text)}.txt"
         if not path.is_file():
-            write_atomic(path, data)
+            write_atomic(path, text)
         return path, origin
 
     def imatrix_request(self, ctx: BuildContext) -> ImatrixRequest:
