@@ -34,13 +34,14 @@ from typing import Any
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf.converter import GGUFConverter, llama_cpp_bin_dir, tool_env
+from converters.gguf.converter import GGUFConverter
 from converters.source import resolve_source
 from evaluators.base import RunnerCommand, load_arrays, run_runner
 from evaluators.metrics import perplexity
 from evaluators.windows import build_window_set
 from pipeline.config import Settings
 from pipeline.demo_model import cached_demo_model
+from pipeline.llama_cpp import llama_cpp_toolchain
 from pipeline.specs import Engine, GGUFSpec
 
 
@@ -83,11 +84,12 @@ def theirs(cfg: Settings, model: Path, text: Path, window: int,
 
 def _theirs_once(cfg: Settings, model: Path, text: Path, window: int, n_windows: int,
                  last: bool) -> tuple[float, float, int, float] | None:
-    exe = llama_cpp_bin_dir() / "llama-perplexity"
+    tools = llama_cpp_toolchain(cfg)
+    exe = tools.exe("llama-perplexity")
     cmd = [str(exe), "-m", str(model), "-f", str(text), "-c", str(window), "-b", str(window), "-ub", str(window),
            "--chunks", str(n_windows), "-t", str(cfg.threads), "-tb", str(cfg.threads)]
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), check=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=tools.env(), check=True)
     wall = time.perf_counter() - t0
     log = res.stdout + res.stderr
     # llama.cpp log lines start with "M.SS.mmm.uuu" (minutes, seconds, ms, us since start).

@@ -24,23 +24,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from converters.gguf.converter import llama_cpp_bin_dir, tool_env
 from flows.steps import real_checkpoint
 from pipeline.config import Settings
+from pipeline.llama_cpp import LlamaCppToolchain, llama_cpp_toolchain
 from pipeline.real_model import WEIGHTS_NOTE
 from registry import open_registry
 
 MODEL = "smollm2-135m"
 
 
-def llama_perplexity(model: Path, text: Path, ctx: int, chunks: int, threads: int) -> float:
+def llama_perplexity(tools: LlamaCppToolchain, model: Path, text: Path, ctx: int, chunks: int, threads: int) -> float:
     """The final PPL llama-perplexity prints; its asynchronous logger can drop the last line, so a run
     without it is repeated (at most 3 times)."""
-    cmd = [str(llama_cpp_bin_dir() / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx),
+    cmd = [str(tools.exe("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(ctx),
            "-b", str(ctx), "--chunks", str(chunks), "-t", str(threads), "-tb", str(threads)]
     out = ""
     for _ in range(3):
-        res = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), check=True, timeout=3600)
+        res = subprocess.run(cmd, capture_output=True, text=True, env=tools.env(), check=True, timeout=3600)
         out = res.stdout + res.stderr
         found = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
         if found:
@@ -56,8 +56,9 @@ def run_flow(registry: Path, windows: int) -> float:
     return time.perf_counter() - t0
 
 
-def rows(registry: Path, windows: int, checkpoint: Path, threads: int, work: Path) -> list[dict[str, Any]]:
+def rows(registry: Path, windows: int, checkpoint: Path, cfg: Settings, work: Path) -> list[dict[str, Any]]:
     reg = open_registry(str(registry), create=False)
+    tools = llama_cpp_toolchain(cfg)
     out = []
     order = {"gguf": 0, "awq": 1, "exl2": 2}
     views = sorted(reg.latest_versions(MODEL), key=lambda v: (order.get(v.format, 9), -v.size))
@@ -79,7 +80,8 @@ def rows(registry: Path, windows: int, checkpoint: Path, threads: int, work: Pat
         if view.format == "gguf":
             (path,) = [p for p in reg.pull(view.ref, work / view.variant) if p.suffix == ".gguf"]
             t0 = time.perf_counter()
-            row["llama_perplexity_ppl"] = llama_perplexity(path, checkpoint / "eval.txt", 512, windows, threads)
+            row["llama_perplexity_ppl"] = llama_perplexity(tools, path, checkpoint / "eval.txt", 512, windows,
+                                                           cfg.threads)
             row["llama_perplexity_s"] = time.perf_counter() - t0
             row["ppl_diff"] = row["ppl"] - row["llama_perplexity_ppl"] if quality else None
         out.append(row)
@@ -117,7 +119,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         registry = args.registry or Path(tmp) / "registry"
         flow_s = run_flow(registry, args.windows)
-        table = rows(registry, args.windows, checkpoint, cfg.threads, Path(tmp) / "pull")
+        table = rows(registry, args.windows, checkpoint, cfg, Path(tmp) / "pull")
     print(json.dumps({"flow_s": flow_s, "windows": args.windows, "rows": table}, indent=1))
     # llama-perplexity rounds to 4 decimals: the same number is within half a unit of its last digit
     bad = [r["variant"] for r in table if r.get("ppl_diff") is not None and abs(r["ppl_diff"]) > 0.5e-4 + 1e-9]

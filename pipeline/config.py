@@ -14,8 +14,6 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-LLAMA_CPP_VERSION = "0.3.36"
-
 
 def _default_cache() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -100,9 +98,3 @@ class Settings(BaseSettings):
     @property
     def envs_root(self) -> Path:
         return self.envs_dir if self.envs_dir is not None else self.cache_dir / "envs"
-
-    @property
-    def llama_cpp_tools_dir(self) -> Path:
-        if self.llama_cpp_tools is not None:
-            return self.llama_cpp_tools
-        return self.cache_dir / "llama.cpp" / LLAMA_CPP_VERSION

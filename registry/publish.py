@@ -19,7 +19,6 @@ import json
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 
 from pipeline.errors import ConversionError, IllegalTransitionError, InvalidSpecError, ToolchainMissingError
 from pipeline.formats import format_info, parse_variant_spec
+from pipeline.llama_cpp import LlamaCppToolchain
 from pipeline.specs import Ref, VersionState
 from registry.blobs import sha256_file
 from registry.card import build_card
@@ -40,18 +40,16 @@ PUBLISHABLE = (VersionState.VALIDATED.value, VersionState.PUBLISHED.value)
 
 @dataclass(frozen=True)
 class GGUFSplitter:
-    """How to run llama.cpp's ``llama-gguf-split`` (the binary and the environment it needs)."""
+    """How to run llama.cpp's ``llama-gguf-split``: the llama.cpp of this machine (pipeline/llama_cpp.py)."""
 
-    binary: Path
-    env: Mapping[str, str] | None = None
+    toolchain: LlamaCppToolchain
 
     def split(self, src: Path, out_prefix: Path, max_mb: int) -> list[Path]:
-        if not self.binary.is_file():
-            raise ToolchainMissingError(f"llama-gguf-split not found at {self.binary}", hint="run `make setup`")
+        """Raises ToolchainMissingError when llama-gguf-split is not installed, ConversionError when it fails."""
+        binary = self.toolchain.exe("llama-gguf-split")
         out_prefix.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [str(self.binary), "--split", "--split-max-size", f"{max_mb}M", str(src), str(out_prefix)]
-        res = subprocess.run(cmd, capture_output=True, text=True, env=dict(self.env) if self.env else None,
-                             timeout=24 * 3600)
+        cmd = [str(binary), "--split", "--split-max-size", f"{max_mb}M", str(src), str(out_prefix)]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=self.toolchain.env(), timeout=24 * 3600)
         parts = sorted(out_prefix.parent.glob(f"{out_prefix.name}-*-of-*.gguf"))
         if res.returncode != 0 or not parts:
             raise ConversionError(f"llama-gguf-split failed on {src.name} (exit {res.returncode})",

@@ -24,7 +24,6 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
-from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -42,12 +41,12 @@ from pipeline.errors import (
     InvalidSpecError,
     NotFoundError,
     TokenizerUnsupportedError,
-    ToolchainMissingError,
     UnsupportedArchitectureError,
 )
 from pipeline.fs import atomic_path, write_atomic
+from pipeline.llama_cpp import LlamaCppToolchain, llama_cpp_toolchain
 from pipeline.plan import GGUFOptions
-from pipeline.proc import child_env, failure_log_dir, run_logged, with_path_prefix
+from pipeline.proc import failure_log_dir, run_logged
 from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, GGUFType, QuantFormat
 from pipeline.texts import file_text, text_sha256
 
@@ -55,30 +54,10 @@ WORKER = "converters.gguf.workers.quantize"
 IMATRIX_KIND = "imatrix"
 
 
-def load_toolchain(tools_dir: Path) -> dict[str, Any]:
-    """Read ``toolchain.json`` written by ``scripts/bootstrap_llama_cpp.py``."""
-    meta = tools_dir / "toolchain.json"
-    if not (meta.is_file() and (tools_dir / "convert_hf_to_gguf.py").is_file()):
-        raise ToolchainMissingError(
-            f"llama.cpp converter not found in {tools_dir} (expected convert_hf_to_gguf.py and toolchain.json)",
-            hint="run `make setup` (it builds llama-cpp-python and extracts the converter), "
-                 "or set QUANTYARD_LLAMA_CPP_TOOLS")
-    return dict(json.loads(meta.read_text()))
-
-
-def llama_cpp_bin_dir() -> Path:
-    """Where the llama.cpp tool binaries of the installed wheel live (site-packages/bin)."""
-    try:
-        dist = metadata.distribution("llama_cpp_python")
-    except metadata.PackageNotFoundError as exc:
-        raise ToolchainMissingError("llama-cpp-python is not installed in this environment",
-                                    hint="run `make setup`") from exc
-    return Path(str(dist.locate_file("bin")))
-
-
 def tool_env() -> dict[str, str]:
-    """Environment for the llama.cpp binaries: they need site-packages/lib on LD_LIBRARY_PATH."""
-    return with_path_prefix(child_env(), "LD_LIBRARY_PATH", llama_cpp_bin_dir().parent / "lib")
+    """The llama.cpp tools' environment. Only flows/steps.py still calls this: it should call
+    ``llama_cpp_toolchain(settings).env()`` and this function go."""
+    return llama_cpp_toolchain(Settings()).env()
 
 
 def choose_base_type(ckpt: Checkpoint, requested: str = "auto") -> str:
@@ -94,7 +73,6 @@ class GGUFConverter:
     def __init__(self, settings: Settings, options: GGUFOptions | None = None) -> None:
         """``options``: the plan's GGUF options (base type, split size, imatrix calibration, tokenizer override)."""
         self.settings = settings
-        self.tools_dir = settings.llama_cpp_tools_dir
         self.python = settings.core_python
         self.options = options if options is not None else GGUFOptions()
         self.base_type = self.options.base_type
@@ -143,8 +121,8 @@ class GGUFConverter:
     def tokenizer_parity(self, model: Path, checkpoint: Path, texts: dict[str, str], log_dir: Path) -> dict[str, Any]:
         """The GGUF's tokenization of the probe and ``texts`` against the HF tokenizer of ``checkpoint``.
         Raises TokenizerMismatchError at the first differing token."""
-        return check_parity(model, checkpoint, python=self.python, env=tool_env(), log_dir=log_dir, timeout_s=600,
-                            allow=False, texts=texts)
+        return check_parity(model, checkpoint, python=self.python, env=self.llama_cpp().env(), log_dir=log_dir,
+                            timeout_s=600, allow=False, texts=texts)
 
     @staticmethod
     def recorded_options(lineage: dict[str, Any], artifact: Callable[[str, str], Path | None],
@@ -176,22 +154,24 @@ class GGUFConverter:
 
     # -- identity and checks ---------------------------------------------------------------------
 
-    def toolchain(self) -> dict[str, Any]:
-        return load_toolchain(self.tools_dir)
+    def llama_cpp(self) -> LlamaCppToolchain:
+        """The llama.cpp this converter runs (pipeline/llama_cpp.py). Raises ToolchainMissingError."""
+        return llama_cpp_toolchain(self.settings)
 
     def tool_identity(self) -> dict[str, Any]:
-        tc = self.toolchain()
+        tc = self.llama_cpp().meta()
         return {"name": "llama.cpp", "llama_cpp_python": tc["llama_cpp_python"],
                 "llama_cpp_commit": tc["llama_cpp_commit"], "gguf_py": tc["gguf_py"],
                 "sdist_sha256": tc["sdist_sha256"]}
 
     def check(self, checkpoint: Checkpoint, specs: list[Any]) -> None:
-        supported = list(self.toolchain()["supported_architectures"])
+        meta = self.llama_cpp().meta()
+        supported = list(meta["supported_architectures"])
         arch = checkpoint.architecture
         if arch not in supported:
             raise UnsupportedArchitectureError(
                 f"architecture {arch} is not supported by llama.cpp's converter "
-                f"(llama-cpp-python {self.toolchain()['llama_cpp_python']})",
+                f"(llama-cpp-python {meta['llama_cpp_python']})",
                 supported=supported,
                 hint="supported architectures: " + ", ".join(supported))
         blind = [s.type for s in specs if s.requires_imatrix and not s.imatrix]
@@ -282,7 +262,7 @@ class GGUFConverter:
         key = request.key(base_type, self.tool_identity())
         existing = ctx.artifacts.get(f"{IMATRIX_KIND}:{key}")  # the registry's copy: a cleaned work dir costs nothing
         path, meta, computed = ensure_imatrix(base, base.parent, replace(request, existing=existing), key,
-                                              bin_dir=llama_cpp_bin_dir(), env=tool_env(),
+                                              toolchain=self.llama_cpp(),
                                               threads=ctx.settings.threads, timeout_s=ctx.settings.convert_timeout_s,
                                               python=self.python, keep=failure_log_dir(ctx.settings.logs_root))
         prepared.paths["imatrix"] = str(path)
@@ -305,11 +285,11 @@ class GGUFConverter:
         if need > free:
             raise DiskFullError(dest.parent, needed=need, free=free)
         with atomic_path(dest) as tmp:  # unique name: concurrent runs never clash; removed on failure
-            cmd = [self.python, str(self.tools_dir / "convert_hf_to_gguf.py"), str(ctx.checkpoint.path),
+            tools = self.llama_cpp()
+            cmd = [self.python, str(tools.converter), str(ctx.checkpoint.path),
                    "--outfile", str(tmp), "--outtype", base_type.lower(), "--model-name", ctx.file_stem]
-            env = child_env(pythonpath=[self.tools_dir / "gguf-py", self.tools_dir])
             res = run_logged(cmd, log_dir=dest.parent, name="convert", timeout_s=ctx.settings.convert_timeout_s,
-                             env=env, keep=failure_log_dir(ctx.settings.logs_root))
+                             env=tools.converter_env(), keep=failure_log_dir(ctx.settings.logs_root))
             if not res.ok:
                 raise _conversion_error(res.stderr_tail, res.describe(), res.log, ctx.checkpoint)
 
@@ -336,12 +316,13 @@ class GGUFConverter:
             events.append("quantize")
         info = inspect_gguf(out)
         _check_output(out, info, spec, base_info)
-        parity = check_parity(out, ctx.checkpoint.path, python=self.python, env=tool_env(), log_dir=out_dir,
+        tools = self.llama_cpp()
+        parity = check_parity(out, ctx.checkpoint.path, python=self.python, env=tools.env(), log_dir=out_dir,
                               timeout_s=ctx.settings.convert_timeout_s, allow=self.options.allow_tokenizer_mismatch,
                               texts=self._parity_texts(ctx, spec), keep=failure_log_dir(ctx.settings.logs_root))
         parts = [out]
         if self.options.split_max_size:
-            parts = split_gguf(out, self.options.split_max_size, bin_dir=llama_cpp_bin_dir(), env=tool_env(),
+            parts = split_gguf(out, self.options.split_max_size, toolchain=tools,
                                timeout_s=ctx.settings.convert_timeout_s, keep=failure_log_dir(ctx.settings.logs_root))
             events.append("split")
             info = inspect_parts(parts)
@@ -367,13 +348,14 @@ class GGUFConverter:
         free = shutil.disk_usage(out.parent).free
         if need > free:
             raise DiskFullError(out.parent, needed=need, free=free)
+        tools = self.llama_cpp()
         with atomic_path(out) as tmp:  # llama-quantize writes it; removed on failure
             request = {"input": str(base), "output": str(tmp), "ftype": spec.file_type,
                        "nthread": ctx.settings.threads,
                        "imatrix": prepared.paths.get("imatrix") if spec.imatrix else None,
-                       "bin_dir": str(llama_cpp_bin_dir())}
+                       "bin_dir": str(tools.bin_dir)}
             res = run_logged([self.python, "-m", WORKER], log_dir=out.parent, name=f"quantize-{spec.name}",
-                             timeout_s=ctx.settings.convert_timeout_s, env=tool_env(),
+                             timeout_s=ctx.settings.convert_timeout_s, env=tools.env(),
                              stdin_text=json.dumps(request), keep=failure_log_dir(ctx.settings.logs_root))
             if not res.ok:
                 if res.disk_full:
@@ -433,4 +415,4 @@ def staging_dir(root: Path, name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{name}.", dir=root))
 
 
-__all__ = ["GGUF_BASE_TYPES", "GGUFConverter", "GGUFOptions", "ImatrixRequest", "inspect_gguf", "load_toolchain"]
+__all__ = ["GGUF_BASE_TYPES", "GGUFConverter", "GGUFOptions", "ImatrixRequest", "inspect_gguf"]

@@ -20,6 +20,7 @@ from converters.checkpoint import file_sha256
 from converters.gguf.tokenizer import gguf_tokens
 from pipeline.errors import ConfigError, ConversionError
 from pipeline.fs import atomic_path, write_atomic
+from pipeline.llama_cpp import LlamaCppToolchain
 from pipeline.proc import run_logged
 
 
@@ -50,14 +51,15 @@ class ImatrixRequest:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def ensure_imatrix(base: Path, folder: Path, request: ImatrixRequest, key: str, *, bin_dir: Path,
-                   env: dict[str, str], threads: int, timeout_s: float,
+def ensure_imatrix(base: Path, folder: Path, request: ImatrixRequest, key: str, *, toolchain: LlamaCppToolchain,
+                   threads: int, timeout_s: float,
                    python: str = sys.executable, keep: Path | None = None) -> tuple[Path, dict[str, Any], bool]:
     """Return (imatrix path, its lineage record, whether it was computed now), computing it only if missing.
 
     Raises:
         ConfigError: the calibration text is too short for even two chunks of ``context`` tokens.
         ConversionError: llama-imatrix failed.
+        ToolchainMissingError: llama-imatrix is not installed.
     """
     out = folder / f"imatrix-{key[:16]}.gguf"
     marker = folder / f"imatrix-{key[:16]}.json"
@@ -68,22 +70,23 @@ def ensure_imatrix(base: Path, folder: Path, request: ImatrixRequest, key: str, 
         with atomic_path(out) as tmp:
             shutil.copyfile(request.existing, tmp)
     else:
-        _run_imatrix(base, out, request, bin_dir=bin_dir, env=env, threads=threads, timeout_s=timeout_s,
+        _run_imatrix(base, out, request, toolchain=toolchain, threads=threads, timeout_s=timeout_s,
                      python=python, keep=keep)
     meta = {**imatrix_record(out, request), "key": key}
     write_atomic(marker, json.dumps(meta))  # last: out and marker both there mean done
     return out, meta, computed
 
 
-def _run_imatrix(base: Path, out: Path, request: ImatrixRequest, *, bin_dir: Path, env: dict[str, str],
+def _run_imatrix(base: Path, out: Path, request: ImatrixRequest, *, toolchain: LlamaCppToolchain,
                  threads: int, timeout_s: float, python: str, keep: Path | None) -> None:
+    exe, env = toolchain.exe("llama-imatrix"), toolchain.env()
     folder = out.parent
     calib_name = f"calibration-{request.calibration_sha256[:16]}.txt"
     if not (folder / calib_name).is_file():
         shutil.copyfile(request.calibration, folder / calib_name)
     with atomic_path(out, suffix=".gguf") as tmp:  # llama-imatrix picks its output format by the suffix
-        cmd = [str(bin_dir / "llama-imatrix"), "-m", str(base), "-f", calib_name, "-o", tmp.name,
-               "-c", str(request.context), "-t", str(threads), "--no-ppl"]
+        cmd = [str(exe), "-m", str(base), "-f", calib_name, "-o", tmp.name, "-c", str(request.context),
+               "-t", str(threads), "--no-ppl"]
         if request.chunks is not None:
             cmd += ["--chunks", str(request.chunks)]
         res = run_logged(cmd, log_dir=folder, name="imatrix", timeout_s=timeout_s, env=env, cwd=folder, keep=keep)

@@ -13,23 +13,26 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConversionError
+from pipeline.llama_cpp import LlamaCppToolchain
 from pipeline.proc import run_logged
 
 PART_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
-def split_gguf(path: Path, max_size: str, *, bin_dir: Path, env: dict[str, str], timeout_s: float,
+def split_gguf(path: Path, max_size: str, *, toolchain: LlamaCppToolchain, timeout_s: float,
                keep: Path | None = None) -> list[Path]:
     """Split ``path`` into parts of at most ``max_size`` (``500M``, ``2G``) next to it; remove ``path``.
 
-    Returns the parts in order. Raises ConversionError (leaving no part behind) when the tool fails.
+    Returns the parts in order. Raises ConversionError (leaving no part behind) when the tool fails,
+    ToolchainMissingError when it is not installed.
     """
+    exe = toolchain.exe("llama-gguf-split")
     work = path.parent / f".split-{path.stem}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()  # llama-gguf-split does not create folders
-    cmd = [str(bin_dir / "llama-gguf-split"), "--split", "--split-max-size", max_size, str(path),
-           str(work / path.stem)]
-    res = run_logged(cmd, log_dir=path.parent, name=f"split-{path.stem}", timeout_s=timeout_s, env=env, keep=keep)
+    cmd = [str(exe), "--split", "--split-max-size", max_size, str(path), str(work / path.stem)]
+    res = run_logged(cmd, log_dir=path.parent, name=f"split-{path.stem}", timeout_s=timeout_s, env=toolchain.env(),
+                     keep=keep)
     parts = sorted(work.glob(f"{path.stem}-*-of-*.gguf"))
     if not res.ok or not parts:
         shutil.rmtree(work, ignore_errors=True)

@@ -248,14 +248,14 @@ def publish(refs: Annotated[list[str], typer.Argument(help="MODEL/VARIANT[@VERSI
             split_mb: Annotated[int, typer.Option(help="Split GGUF files larger than this many MB.")] = 48_000,
             by: ByOpt = None, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
     """Publish versions to the Hugging Face Hub with a model card (metrics, lineage, base_model)."""
-    from converters.gguf.converter import llama_cpp_bin_dir, tool_env
+    from pipeline.llama_cpp import llama_cpp_toolchain
     from pipeline.render import console
     from registry.publish import GGUFSplitter, PublishRequest
     from registry.publish import publish as run_publish
 
     req = PublishRequest(refs=refs, repo_id=repo, private=private, dry_run=dry_run, base_model=base_model,
                          out_dir=out or Path(f"publish-{repo.replace('/', '--')}"), split_mb=split_mb, by=by,
-                         splitter=GGUFSplitter(llama_cpp_bin_dir() / "llama-gguf-split", tool_env()))
+                         splitter=GGUFSplitter(llama_cpp_toolchain(settings(registry))))
     result = run_publish(_open(registry), req)
     if _print({"repo_id": result.repo_id, "dry_run": dry_run, "out_dir": str(result.out_dir or ""),
                "commits": result.commits, "operations": result.operations, "warnings": result.warnings}, as_json):

@@ -9,10 +9,11 @@ from gguf import GGUFReader
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf.converter import GGUFConverter, inspect_gguf, llama_cpp_bin_dir, tool_env
+from converters.gguf.converter import GGUFConverter, inspect_gguf
 from converters.source import resolve_source
 from pipeline.config import Settings
 from pipeline.errors import TokenizerUnsupportedError, UnsupportedArchitectureError
+from pipeline.llama_cpp import llama_cpp_toolchain
 from pipeline.specs import GGUFSpec
 from tests.factories import bytelevel_bpe_checkpoint, copy_checkpoint, edit_config
 
@@ -45,8 +46,9 @@ def test_python_quantize_is_byte_identical_to_llama_quantize(tmp_path: Path, dem
     prepared = conv.prepare(ctx, [])
     ours = next(iter(conv.build(ctx, prepared, GGUFSpec(type="Q4_K_M"), tmp_path / "ours").files.values()))
     ref = tmp_path / "ref.gguf"
-    subprocess.run([str(llama_cpp_bin_dir() / "llama-quantize"), prepared.paths["base"], str(ref), "Q4_K_M", "2"],
-                   check=True, env=tool_env(), capture_output=True)
+    tools = llama_cpp_toolchain(settings)
+    subprocess.run([str(tools.exe("llama-quantize")), prepared.paths["base"], str(ref), "Q4_K_M", "2"],
+                   check=True, env=tools.env(), capture_output=True)
     assert hashlib.sha256(ours.read_bytes()).digest() == hashlib.sha256(ref.read_bytes()).digest()
 
 

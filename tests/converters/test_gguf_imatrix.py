@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf.converter import GGUFConverter, ImatrixRequest, llama_cpp_bin_dir, tool_env
+from converters.gguf.converter import GGUFConverter, ImatrixRequest
 from converters.gguf.imatrix import ensure_imatrix
 from converters.source import resolve_source
 from flows.quantize import convert_flow
@@ -21,6 +21,7 @@ from flows.validate import ValidateOptions, validate
 from pipeline.cli import app
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, InvalidSpecError
+from pipeline.llama_cpp import llama_cpp_toolchain
 from pipeline.plan import CalibrationSpec, EvalSpec, GGUFOptions, Plan, SourceInput, SpeedSpec, variants_from_flags
 from pipeline.policy import Policy
 from pipeline.specs import GGUFSpec
@@ -107,7 +108,7 @@ def test_too_short_calibration_is_a_clear_error(demo_model: Path, demo_registry_
     work.mkdir()
     request = ImatrixRequest(calibration=short, origin="file:short.txt")
     with pytest.raises(ConfigError, match="too short") as info:
-        ensure_imatrix(base, work, request, request.key("F16", {}), bin_dir=llama_cpp_bin_dir(), env=tool_env(),
+        ensure_imatrix(base, work, request, request.key("F16", {}), toolchain=llama_cpp_toolchain(cfg),
                        threads=cfg.threads, timeout_s=120)
     assert "--calibration" in str(info.value)
     assert not list(work.glob("imatrix-*.gguf"))

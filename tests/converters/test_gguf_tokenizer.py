@@ -14,13 +14,14 @@ import pytest
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf.converter import GGUFConverter, tool_env
+from converters.gguf.converter import GGUFConverter
 from converters.gguf.tokenizer import PROBE_TEXT, check_parity, hf_tokens
 from converters.source import resolve_source
 from flows.quantize import convert_flow
 from flows.steps import real_checkpoint
 from pipeline.config import Settings
 from pipeline.errors import NotFoundError, TokenizerMismatchError
+from pipeline.llama_cpp import llama_cpp_toolchain
 from pipeline.plan import EvalSpec, Plan, SourceInput, variants_from_flags
 from pipeline.real_model import RealRecipe
 from registry import open_registry
@@ -50,7 +51,7 @@ def shared_work(demo_registry_template: dict[str, object]) -> Path:
 
 def test_demo_gguf_tokenizes_like_hf(demo_model: Path, shared_work: Path, cache_dir: Path, tmp_path: Path) -> None:
     cfg = make_settings(tmp_path / "registry", shared_work, cache_dir)
-    record = check_parity(_base(demo_model, cfg), demo_model, python=sys.executable, env=tool_env(),
+    record = check_parity(_base(demo_model, cfg), demo_model, python=sys.executable, env=llama_cpp_toolchain(cfg).env(),
                           log_dir=tmp_path, timeout_s=120, allow=False)
     assert record["ok"] is True and record["tokens_hf"] == record["tokens_gguf"] > 100
     assert len(PROBE_TEXT) > 500
@@ -63,8 +64,8 @@ def test_edited_vocabulary_is_caught_with_the_position(demo_model: Path, shared_
     crafted = tmp_path / "crafted.gguf"
     gguf_swap_tokens(_base(demo_model, cfg), crafted, a, b)
     with pytest.raises(TokenizerMismatchError) as info:
-        check_parity(crafted, demo_model, python=sys.executable, env=tool_env(), log_dir=tmp_path, timeout_s=120,
-                     allow=False)
+        check_parity(crafted, demo_model, python=sys.executable, env=llama_cpp_toolchain(cfg).env(),
+                     log_dir=tmp_path, timeout_s=120, allow=False)
     err = info.value
     assert err.position == position and f"position {position}" in str(err)
     # the GGUF gives b where HF gives a (both shown, with their neighbours)
@@ -107,7 +108,7 @@ def test_demo_gguf_tokenizes_its_texts_like_hf(demo_model: Path, shared_work: Pa
                                                tmp_path: Path) -> None:
     cfg = make_settings(tmp_path / "registry", shared_work, cache_dir)
     texts = {name: (demo_model / name).read_text(encoding="utf-8") for name in ("eval.txt", "calibration.txt")}
-    record = check_parity(_base(demo_model, cfg), demo_model, python=sys.executable, env=tool_env(),
+    record = check_parity(_base(demo_model, cfg), demo_model, python=sys.executable, env=llama_cpp_toolchain(cfg).env(),
                           log_dir=tmp_path, timeout_s=120, allow=False, texts=texts)
     assert record["ok"] is True and set(record["texts"]) == {"probe", *texts}
     assert all(r["tokens_hf"] == r["tokens_gguf"] > 10_000 for k, r in record["texts"].items() if k != "probe")
@@ -132,6 +133,6 @@ def test_checkpoint_without_digit_split_is_caught_on_the_text(cache_dir: Path, t
     with pytest.raises(NotFoundError):
         open_registry(cfg.registry).list_variants("smol-unfixed")
     gguf = next((cfg.work_root / "gguf-base").glob("*/smol-unfixed-BF16.gguf"))
-    probe_only = check_parity(gguf, broken, python=sys.executable, env=tool_env(), log_dir=tmp_path,
+    probe_only = check_parity(gguf, broken, python=sys.executable, env=llama_cpp_toolchain(cfg).env(), log_dir=tmp_path,
                               timeout_s=120, allow=False)
     assert probe_only["ok"] is True  # what a probe-only check (the old one) let through

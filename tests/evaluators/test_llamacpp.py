@@ -151,18 +151,19 @@ def test_scored_rows_only_equal_full_scoring(tmp_path: Path, demo_registry_templ
     assert (late["topk_ids"][:, 0] == full["topk_ids"][pick][:, 0]).all()
 
 
-def _llama_perplexity(model: Path, text: Path, ctx: int, chunks: int) -> float:
+def _llama_perplexity(cache_dir: Path, model: Path, text: Path, ctx: int, chunks: int) -> float:
     """The final PPL printed by llama-perplexity of the same build. llama.cpp's asynchronous logger can drop
     the last lines when the process exits at once (see TOOLCHAINS.md): a run without them is run again."""
     import re
     import subprocess
 
-    from converters.gguf.converter import llama_cpp_bin_dir, tool_env
+    from pipeline.llama_cpp import llama_cpp_toolchain
 
-    cmd = [str(llama_cpp_bin_dir() / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx),
+    tools = llama_cpp_toolchain(Settings(cache_dir=cache_dir))
+    cmd = [str(tools.exe("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(ctx),
            "-b", str(ctx), "--chunks", str(chunks), "-t", "2", "-tb", "2"]
     for _ in range(3):
-        res = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), check=True, timeout=600)
+        res = subprocess.run(cmd, capture_output=True, text=True, env=tools.env(), check=True, timeout=600)
         found = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
         if found:
             return float(found.group(1))
@@ -183,5 +184,5 @@ def test_perplexity_agrees_with_llama_perplexity(tmp_path: Path, demo_registry_t
                           score_from=ctx // 2 + 1)
     ws.save(tmp_path / "w.npz")
     ours = perplexity(_run(tmp_path, cache_dir, gguf, tmp_path / "w.npz", "ours")["target_logprob"]).ppl
-    theirs = _llama_perplexity(gguf, text, ctx, chunks)
+    theirs = _llama_perplexity(cache_dir, gguf, text, ctx, chunks)
     assert abs(ours - theirs) <= 1e-4 + 1e-6 * theirs, (ours, theirs)

