@@ -4,7 +4,7 @@ Two modes, the same plan (the demo checkpoint, GGUF Q8_0 + Q4_K_M, the default e
 
 * **embedded** — ``convert_flow`` in this process with Prefect's embedded server (what ``quantyard convert``
   and ``make demo`` do). The tool work (resolve/validate, F16 conversion, quantization, window set,
-  reference, evaluation: the bodies of the flow's tasks) is timed by wrapping each task's function, and
+  reference, evaluation: the step functions the stage bodies call) is timed by wrapping each of them, and
   every call into the ``Registry`` API is timed too; time is attributed to the innermost category, so a
   registry write inside an evaluation counts as registry time. Overhead = wall − tool work, split into
   registry and Prefect-and-glue. The embedded server's start (once per process) is reported apart.
@@ -65,13 +65,14 @@ class Attribution:
 
 
 def _instrument(att: Attribution) -> None:
-    from flows import tasks
+    from flows import quantize, steps
     from registry.store import Registry
 
-    for name in ("resolve_task", "prepare_task", "build_task", "window_set_task", "reference_task",
-                 "evaluate_task"):
-        task = getattr(tasks, name)
-        task.fn = att.wrap("work", task.fn)
+    # The stage bodies call these step functions through the module (``steps.build_variant(...)``), and the
+    # embedded executor resolves the source through its resolve task once per run.
+    for name in ("prepare_format", "build_variant", "ensure_window_set", "ensure_reference", "evaluate_version"):
+        setattr(steps, name, att.wrap("work", getattr(steps, name)))
+    quantize.resolve_task.fn = att.wrap("work", quantize.resolve_task.fn)
     for name, member in list(vars(Registry).items()):
         if isinstance(member, types.FunctionType) and not name.startswith("__"):  # methods, not static ones
             setattr(Registry, name, att.wrap("registry", member))

@@ -146,12 +146,20 @@ def pin_source(source: SourceInput, settings: Settings) -> tuple[str, SourceInpu
                                            "multi-machine mode a folder must be on a filesystem every worker mounts")
         digest = content_hash(path, HashCache(settings.cache_dir / "hashes.sqlite"))
         ref = SourceRef(kind=SourceKind.LOCAL, path=str(path.resolve()), content_hash=digest)
-        return ref.identity, source.model_copy(update={"source": str(path.resolve())}), ref
+        return ref.identity, pinned_input(source, ref), ref
     commit = hub_commit(source.source, source.revision, HubOptions(
         endpoint=settings.hf_endpoint, cache_dir=settings.hf_cache_dir, offline=settings.hf_offline))
     ref = SourceRef(kind=SourceKind.HUB, path="", repo_id=source.source, revision=source.revision or "main",
                     commit=commit)
-    return ref.identity, source.model_copy(update={"revision": commit}), ref
+    return ref.identity, pinned_input(source, ref), ref
+
+
+def pinned_input(source: SourceInput, ref: SourceRef) -> SourceInput:
+    """``source`` pinned to exactly ``ref``: a folder by its absolute path (its content hash is the
+    identity), a hub repo at its commit."""
+    if ref.kind == SourceKind.HUB:
+        return source.model_copy(update={"revision": ref.commit})
+    return source.model_copy(update={"source": ref.path})
 
 
 def hub_commit(repo_id: str, revision: str | None, hub: HubOptions) -> str:

@@ -1,15 +1,17 @@
-"""The stages of a distributed run, each a Prefect flow that ``quantyard deploy`` registers as a deployment
-on the CPU and on the GPU work pool (flows/deployments.py); flows/orchestrate.py runs them with
-``run_deployment``.
+"""The stage bodies and the stage flows: what each stage of the graph (flows/graph.py) does.
 
-Every stage reuses the plain step functions of ``flows.steps`` (the embedded ``convert_flow`` runs the
-same ones in one process). Stages exchange only registry references and blob digests, through the stage
-ledger (flows/ledger.py): a stage reads its upstream stages' records, does its work on whatever machine
-its worker runs on, puts the files it made into the blob store and records its outputs under its key.
-So every worker must reach the same registry (PostgreSQL + object storage, or a shared filesystem) and,
-for a folder source, the same folder; a hub source is downloaded by each machine into its own HF cache.
+A body does one stage's work with the plain step functions of ``flows.steps`` and returns what it made as
+the stage's output model (flows/graph.py); :func:`run_stage` records that in the stage ledger
+(flows/ledger.py) under the stage's key, unless the key is already there. Both executors call it: the
+embedded one (flows/quantize.py) in this process, the distributed one (flows/orchestrate.py) through the
+stage flows at the bottom of this module, which ``quantyard deploy`` registers as deployments on the CPU
+and on the GPU work pool (flows/deployments.py).
 
-A stage that finds its key already recorded returns that record without doing anything.
+Stages exchange only registry references and blob digests, through the ledger: a stage reads its upstream
+stages' records, does its work on whatever machine runs it, puts the files it made into the blob store and
+records its outputs. So in a distributed run every worker must reach the same registry (PostgreSQL + object
+storage, or a shared filesystem) and, for a folder source, the same folder; a hub source is downloaded by
+each machine into its own HF cache.
 """
 
 from __future__ import annotations
@@ -17,51 +19,54 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from pydantic import Field
 
 from converters.base import Prepared
 from evaluators.engines import engine_for, get_evaluator
 from evaluators.reference import reference_key
 from flows import steps
+from flows.graph import (
+    Blob,
+    BuildOutputs,
+    EvaluateOutputs,
+    MetaBlob,
+    NamedBlob,
+    PrepareOutputs,
+    ReferenceOutputs,
+    RegisterOutputs,
+    ResolveOutputs,
+    StageOutputs,
+    StageRequest,
+    outputs_of,
+)
 from flows.ledger import StageRecord, Stopwatch, find_stage, record_stage
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, StageError
 from pipeline.formats import format_info
 from pipeline.plan import Plan
-from pipeline.specs import Frozen, SourceRef
+from pipeline.specs import SourceRef
 from registry import open_registry
 from registry.blobs import StoredBlob
 from registry.store import RegisterRequest, Registry
 
-StageName = Literal["resolve", "prepare", "build", "register", "reference", "evaluate"]
 #: Stages that hold a slot of their pool's concurrency limit while they work.
 HEAVY_STAGES: frozenset[str] = frozenset({"prepare", "build", "reference", "evaluate"})
 
 
-class StageRequest(Frozen):
-    """What one stage run is asked to do. ``plan`` is restricted to what the stage needs (one format, one
-    variant) and its source is pinned (a hub commit, or the folder whose content hash is
-    ``source_identity``). ``upstream`` maps a role (resolve, prepare, build, register, reference) to the
-    ledger key of the record this stage reads."""
+@dataclass
+class InProcess:
+    """What the embedded executor hands every stage of one run in its process: the caller's Settings, the
+    source it resolved and validated once, and each format's preparation as made here (so a build uses the
+    prepared files where they are instead of linking them back from the blob store)."""
 
-    stage: StageName
-    name: str
-    key: str
-    source_identity: str
-    plan: Plan
-    fmt: str | None = None
-    variant: str | None = None
-    engine: str | None = None
-    upstream: dict[str, str] = Field(default_factory=dict)
-    registry: str | None = None
-    blobs: str | None = None
-    pool: str = "cpu"
+    settings: Settings
+    resolved: steps.Resolved
+    prepared: dict[str, Prepared] = field(default_factory=dict)  # by prepare-stage key
 
 
 @dataclass
@@ -71,6 +76,7 @@ class StageContext:
     reg: Registry
     scratch: Path
     watch: Stopwatch
+    here: InProcess | None = None
 
     def upstream(self, role: str) -> StageRecord:
         key = self.request.upstream.get(role)
@@ -83,11 +89,12 @@ class StageContext:
 
     def rows(self) -> tuple[str, str | None, SourceRef]:
         """Model, architecture and source for the registry rows of this run (from the resolve record)."""
-        out = self.upstream("resolve").outputs
-        return out["model"], out["architecture"], SourceRef.model_validate(out["source"])
+        out: ResolveOutputs = outputs_of(self.upstream("resolve"), "resolve")
+        return out.model, out.architecture, out.source
 
 
-Body = Callable[[StageContext], tuple[dict[str, Any], tuple[str, str | None, SourceRef]]]
+Who = tuple[str, str | None, SourceRef]
+Body = Callable[[StageContext], tuple[StageOutputs, Who]]
 
 
 def stage_settings(request: StageRequest) -> Settings:
@@ -108,29 +115,32 @@ def _slot(name: str | None) -> Iterator[None]:
         yield
 
 
-def run_stage(request: StageRequest, slot: str | None, body: Body) -> dict[str, Any]:
-    """Run ``body`` unless the ledger already holds ``request.key``; record its outputs under the key."""
+def run_stage(request: StageRequest, slot: str | None, body: Body, here: InProcess | None = None) -> StageRecord:
+    """Run ``body`` unless the ledger already holds ``request.key``; record its outputs under the key.
+    ``here``: the embedded executor's run (its Settings, resolved source and preparations); without it the
+    stage builds its Settings from this worker's environment."""
     logger = get_run_logger()
-    settings = stage_settings(request)
+    settings = here.settings if here is not None else stage_settings(request)
     reg = open_registry(settings)
     done = find_stage(reg, request.source_identity, request.key)
     if done is not None:
         logger.info("stage %s key %s: already recorded by flow run %s, nothing to do", request.name,
                     request.key[:16], done.flow_run_id)
-        return done.model_dump(mode="json")
+        return done
     t0 = time.perf_counter()
     watch = Stopwatch()
-    with steps.scratch_dir(settings) as tmp, _slot(slot if request.stage in HEAVY_STAGES else None):
-        ctx = StageContext(request=request, settings=settings, reg=reg, scratch=Path(tmp), watch=watch)
+    held = slot if request.stage in HEAVY_STAGES else None
+    with steps.scratch_dir(settings) as tmp, _slot(held):
+        ctx = StageContext(request=request, settings=settings, reg=reg, scratch=Path(tmp), watch=watch, here=here)
         outputs, (model, architecture, source) = body(ctx)
-        record = StageRecord(stage=request.name, key=request.key, pool=request.pool, outputs=outputs,
-                             work_s=watch.total, wall_s=time.perf_counter() - t0, flow_run_id=_flow_run_id(),
-                             slot=slot if request.stage in HEAVY_STAGES else None)
+        record = StageRecord(stage=request.name, key=request.key, pool=request.pool,
+                             outputs=outputs.model_dump(mode="json"), work_s=watch.total,
+                             wall_s=time.perf_counter() - t0, flow_run_id=_flow_run_id(), slot=held)
         record = record_stage(reg, model=model, architecture=architecture, source=source, record=record,
                               scratch=Path(tmp))
     logger.info("stage %s key %s: done, work %.2f s of %.2f s (events: %s)", request.name, request.key[:16],
-                record.work_s, record.wall_s, ",".join(outputs.get("events") or []) or "none")
-    return record.model_dump(mode="json")
+                record.work_s, record.wall_s, ",".join(outputs.events) or "none")
+    return record
 
 
 def _flow_run_id() -> str | None:
@@ -143,9 +153,12 @@ def _flow_run_id() -> str | None:
 
 def _resolved(ctx: StageContext) -> steps.Resolved:
     """The source on this machine (downloaded into its HF cache for a hub source), checked to be the
-    exact one the run was planned for."""
-    with ctx.watch:
-        resolved = steps.resolve(ctx.request.plan, ctx.settings)
+    exact one the run was planned for; the embedded executor's, resolved once for the whole run."""
+    if ctx.here is not None:
+        resolved = ctx.here.resolved
+    else:
+        with ctx.watch:
+            resolved = steps.resolve(ctx.request.plan, ctx.settings)
     if resolved.source.identity != ctx.request.source_identity:
         raise ConfigError(f"the source resolved here to {resolved.source.identity}, the run was planned for "
                           f"{ctx.request.source_identity}",
@@ -154,21 +167,26 @@ def _resolved(ctx: StageContext) -> steps.Resolved:
     return resolved
 
 
-def _resolve_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+def _who(resolved: steps.Resolved) -> Who:
+    return resolved.model_name, resolved.architecture, resolved.source
+
+
+def _resolve_body(ctx: StageContext) -> tuple[ResolveOutputs, Who]:
     resolved = _resolved(ctx)
     ck = resolved.checkpoint
-    outputs = {"model": resolved.model_name, "architecture": resolved.architecture,
-               "source": resolved.source.model_dump(mode="json"), "torch_dtype": ck.torch_dtype,
-               "n_params": ck.n_params}
-    return outputs, (resolved.model_name, resolved.architecture, resolved.source)
+    outputs = ResolveOutputs(model=resolved.model_name, architecture=resolved.architecture, source=resolved.source,
+                             torch_dtype=ck.torch_dtype, n_params=ck.n_params)
+    return outputs, _who(resolved)
 
 
-def _prepare_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+def _prepare_body(ctx: StageContext) -> tuple[PrepareOutputs, Who]:
     req = ctx.request
     assert req.fmt is not None
     resolved = _resolved(ctx)
     with ctx.watch:
         prepared = steps.prepare_format(req.fmt, req.plan, resolved, list(req.plan.variants), ctx.settings)
+    if ctx.here is not None:
+        ctx.here.prepared[req.key] = prepared
     shared = {}
     # Files of the preparation that builds on other machines need (FormatInfo.shared_prepared), by their
     # Prepared.paths name: put in the blob store and found again by digest.
@@ -179,41 +197,45 @@ def _prepare_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | N
         art = ctx.reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
                                           source=resolved.source, kind=f"{req.fmt}_{name}", key=req.key,
                                           name=path.name, path=path, meta={"stage": req.name})
-        shared[name] = {"name": path.name, "sha256": art.sha256, "size": art.size}
-    outputs = {"shared": shared, "meta": prepared.meta, "events": prepared.events}
-    return outputs, (resolved.model_name, resolved.architecture, resolved.source)
+        shared[name] = NamedBlob(name=path.name, sha256=art.sha256, size=art.size)
+    return PrepareOutputs(shared=shared, meta=prepared.meta, events=prepared.events), _who(resolved)
 
 
 def _prepared_here(ctx: StageContext, resolved: steps.Resolved) -> Prepared:
-    """The format's preparation on this machine: the shared files from the blob store (linked under their
-    own names), or, for a format whose preparation is per machine, prepared here."""
+    """The format's preparation on this machine: the embedded run's own, the shared files from the blob
+    store (linked under their own names), or, for a format whose preparation is per machine, prepared here."""
     req = ctx.request
     assert req.fmt is not None
+    key = req.upstream.get("prepare")
+    if ctx.here is not None and key in ctx.here.prepared:
+        return ctx.here.prepared[key]
     if not format_info(req.fmt).shared_prepared:  # prepared per machine (AWQ: the tool environment is)
         with ctx.watch:
-            return steps.prepare_format(req.fmt, req.plan, resolved, list(req.plan.variants), ctx.settings)
-    record = ctx.upstream("prepare")
+            prepared = steps.prepare_format(req.fmt, req.plan, resolved, list(req.plan.variants), ctx.settings)
+        if ctx.here is not None and key is not None:
+            ctx.here.prepared[key] = prepared
+        return prepared
+    recorded: PrepareOutputs = outputs_of(ctx.upstream("prepare"), "prepare")
     folder = ctx.scratch / "prepared"
     folder.mkdir()
     paths = {}
-    for name, blob in record.outputs["shared"].items():
-        link = folder / blob["name"]
-        link.symlink_to(ctx.reg.local_blob(blob["sha256"], blob["size"]))
+    for name, blob in recorded.shared.items():
+        link = folder / blob.name
+        link.symlink_to(ctx.reg.local_blob(blob.sha256, blob.size))
         paths[name] = str(link)
-    return Prepared(paths=paths, meta=dict(record.outputs["meta"]))
+    return Prepared(paths=paths, meta=dict(recorded.meta))
 
 
 def variant_build_key(fmt: str, plan: Plan, resolved: steps.Resolved, spec: Any, settings: Settings) -> str:
-    """The registry build key of ``spec``, as the embedded flow computes it (so either mode reuses the other's)."""
+    """The registry build key of ``spec`` (the same on every machine, so either executor reuses the other's)."""
     tool = steps.tool_identity(fmt, plan, settings, spec)
     return steps.build_key(resolved.source, spec, tool, steps.build_inputs(plan, resolved, spec, settings))
 
 
-def _build_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+def _build_body(ctx: StageContext) -> tuple[BuildOutputs, Who]:
     req = ctx.request
     assert req.fmt is not None
     resolved = _resolved(ctx)
-    who = (resolved.model_name, resolved.architecture, resolved.source)
     # A spec that leaves its backend open (EXL2 "auto") is made concrete here, on the machine that builds
     # it: its name, key and lineage say which backend this worker has (ExLlamaV2 on CUDA, or reference-cpu).
     plan = steps.resolve_backends(req.plan, ctx.settings)
@@ -222,7 +244,7 @@ def _build_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | Non
     key = variant_build_key(req.fmt, plan, resolved, spec, ctx.settings)
     existing = None if plan.force else steps.find_existing(ctx.settings, resolved, spec, key)
     if existing is not None:
-        return {"ref": existing.ref, "build_key": key, "events": ["reuse_version"], **concrete}, who
+        return BuildOutputs(ref=existing.ref, build_key=key, events=["reuse_version"], **concrete), _who(resolved)
     steps.sweep_stale(ctx.settings)
     prepared = _prepared_here(ctx, resolved)
     with steps.scratch_dir(ctx.settings, "staging") as staging:
@@ -231,27 +253,27 @@ def _build_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | Non
         files = {}
         for name, path in built.files.items():
             blob = ctx.reg.blobs.put_file(path)
-            files[name] = {"sha256": blob.sha256, "size": blob.size}
-    outputs = {"build_key": key, "files": files, "lineage": steps.lineage(plan, resolved, spec, built, key),
-               "events": list(built.events), "info": built.info, **concrete}
-    return outputs, who
+            files[name] = Blob(sha256=blob.sha256, size=blob.size)
+    outputs = BuildOutputs(build_key=key, files=files, lineage=steps.lineage(plan, resolved, spec, built, key),
+                           events=list(built.events), info=built.info, **concrete)
+    return outputs, _who(resolved)
 
 
-def _register_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+def _register_body(ctx: StageContext) -> tuple[RegisterOutputs, Who]:
     req = ctx.request
     model, architecture, source = who = ctx.rows()
-    build = ctx.upstream("build").outputs
-    if "ref" in build:
-        return {"ref": build["ref"], "created": False}, who
-    stored = {name: StoredBlob(sha256=b["sha256"], size=b["size"], created=False) for name, b in build["files"].items()}
-    request = RegisterRequest(model=model, architecture=architecture, source=source, variant=build["variant"],
-                              format=req.fmt or "", spec=build["spec"],
-                              build_key=build["build_key"], lineage=build["lineage"], files={}, force=req.plan.force)
+    build: BuildOutputs = outputs_of(ctx.upstream("build"), "build")
+    if build.ref is not None:
+        return RegisterOutputs(ref=build.ref, created=False), who
+    stored = {name: StoredBlob(sha256=b.sha256, size=b.size, created=False) for name, b in build.files.items()}
+    request = RegisterRequest(model=model, architecture=architecture, source=source, variant=build.variant,
+                              format=req.fmt or "", spec=build.spec, build_key=build.build_key,
+                              lineage=build.lineage, files={}, force=req.plan.force)
     view = ctx.reg.register_stored(request, stored)
-    return {"ref": view.ref, "created": view.created, "events": ["register"] if view.created else []}, who
+    return RegisterOutputs(ref=view.ref, created=view.created, events=["register"] if view.created else []), who
 
 
-def _reference_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+def _reference_body(ctx: StageContext) -> tuple[ReferenceOutputs, Who]:
     resolved = _resolved(ctx)
     spec = ctx.request.plan.eval
     with ctx.watch:
@@ -262,18 +284,19 @@ def _reference_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str |
     ref_art = ctx.reg.find_source_artifact(resolved.source, "reference", reference_key(str(ws_meta["id"]), spec))
     assert ref_art is not None
     events = (["window_set"] if built else []) + (["reference"] if computed else [])
-    outputs = {"window_set": {"sha256": ws_art.sha256, "size": ws_art.size, "meta": ws_meta},
-               "reference": {"sha256": ref_art.sha256, "size": ref_art.size, "meta": ref_meta}, "events": events}
-    return outputs, (resolved.model_name, resolved.architecture, resolved.source)
+    outputs = ReferenceOutputs(window_set=MetaBlob(sha256=ws_art.sha256, size=ws_art.size, meta=ws_meta),
+                               reference=MetaBlob(sha256=ref_art.sha256, size=ref_art.size, meta=ref_meta),
+                               events=events)
+    return outputs, _who(resolved)
 
 
-def _evaluate_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | None, SourceRef]]:
+def _evaluate_body(ctx: StageContext) -> tuple[EvaluateOutputs, Who]:
     req = ctx.request
     assert req.fmt is not None and req.engine is not None
     who = ctx.rows()
-    ref = ctx.upstream("register").outputs["ref"]
-    evidence = ctx.upstream("reference").outputs
-    ws, rf = evidence["window_set"], evidence["reference"]
+    ref = outputs_of(ctx.upstream("register"), "register").ref
+    evidence: ReferenceOutputs = outputs_of(ctx.upstream("reference"), "reference")
+    ws, rf = evidence.window_set, evidence.reference
     version = ctx.reg.get_version(ref)
     default = str(format_info(req.fmt).engine)
     if req.engine == default:  # the format's engine, or the reference engine standing in for it on this machine
@@ -282,17 +305,16 @@ def _evaluate_body(ctx: StageContext) -> tuple[dict[str, Any], tuple[str, str | 
         engine, fallback = req.engine, None
         reason = get_evaluator(engine).skip_reason(version.spec)
         if reason:
-            return {"ref": ref, "engine": engine, "skipped": reason, "events": []}, who
-    base = {"ref": ref, "engine": engine, "fallback": fallback}
-    if steps.has_quality_result(version, engine, str(ws["meta"]["id"])):
-        return {**base, "events": ["reuse_result"]}, who
-    windows = ctx.reg.local_blob(ws["sha256"], ws["size"])
-    reference = ctx.reg.local_blob(rf["sha256"], rf["size"])
+            return EvaluateOutputs(ref=ref, engine=engine, skipped=reason), who
+    if steps.has_quality_result(version, engine, str(ws.meta["id"])):
+        return EvaluateOutputs(ref=ref, engine=engine, fallback=fallback, events=["reuse_result"]), who
+    windows = ctx.reg.local_blob(ws.sha256, ws.size)
+    reference = ctx.reg.local_blob(rf.sha256, rf.size)
     with ctx.watch:
-        outcome = steps.evaluate_version(ctx.settings, ref, req.fmt, windows, ws["meta"], reference, req.plan.eval,
+        outcome = steps.evaluate_version(ctx.settings, ref, req.fmt, windows, ws.meta, reference, req.plan.eval,
                                          None if req.engine == default else engine)
-    return {**base, "engine": outcome.engine, "engine_version": outcome.engine_version,
-            "events": ["evaluate"]}, who
+    return EvaluateOutputs(ref=ref, engine=outcome.engine, fallback=fallback, engine_version=outcome.engine_version,
+                           events=["evaluate"]), who
 
 
 BODIES: dict[str, Body] = {"resolve": _resolve_body, "prepare": _prepare_body, "build": _build_body,
@@ -305,37 +327,37 @@ BODIES: dict[str, Body] = {"resolve": _resolve_body, "prepare": _prepare_body, "
 @flow(name="quantyard-resolve", flow_run_name="{request.name}", log_prints=True)
 def resolve_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
     """Pin, download (hub) and validate the source; record the checkpoint's facts."""
-    return run_stage(request, slot, _resolve_body)
+    return run_stage(request, slot, _resolve_body).model_dump(mode="json")
 
 
 @flow(name="quantyard-prepare", flow_run_name="{request.name}", log_prints=True)
 def prepare_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
     """A format's shared work (the GGUF F16/BF16 base, the imatrix), put in the blob store."""
-    return run_stage(request, slot, _prepare_body)
+    return run_stage(request, slot, _prepare_body).model_dump(mode="json")
 
 
 @flow(name="quantyard-build", flow_run_name="{request.name}", log_prints=True)
 def build_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
     """Convert or quantize one variant; its files go to the blob store (registered by the register stage)."""
-    return run_stage(request, slot, _build_body)
+    return run_stage(request, slot, _build_body).model_dump(mode="json")
 
 
 @flow(name="quantyard-register", flow_run_name="{request.name}", log_prints=True)
 def register_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
     """Register a built variant's version from the digests its build stage stored."""
-    return run_stage(request, slot, _register_body)
+    return run_stage(request, slot, _register_body).model_dump(mode="json")
 
 
 @flow(name="quantyard-reference", flow_run_name="{request.name}", log_prints=True)
 def reference_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
     """The window set and the reference log-probs of the source (registry artifacts, computed once)."""
-    return run_stage(request, slot, _reference_body)
+    return run_stage(request, slot, _reference_body).model_dump(mode="json")
 
 
 @flow(name="quantyard-evaluate", flow_run_name="{request.name}", log_prints=True)
 def evaluate_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
     """Evaluate one registered version on one engine; results go to the registry."""
-    return run_stage(request, slot, _evaluate_body)
+    return run_stage(request, slot, _evaluate_body).model_dump(mode="json")
 
 
 STAGE_FLOWS: dict[str, Any] = {"resolve": resolve_stage, "prepare": prepare_stage, "build": build_stage,
@@ -348,5 +370,5 @@ def deployment_name(stage: str, pool: str) -> str:
     return f"{STAGE_FLOWS[stage].name}/{pool}"
 
 
-__all__ = ["BODIES", "HEAVY_STAGES", "STAGE_FLOWS", "StageRequest", "deployment_name",
-           "run_stage", "stage_settings", "variant_build_key"]
+__all__ = ["BODIES", "HEAVY_STAGES", "STAGE_FLOWS", "InProcess", "deployment_name", "run_stage", "stage_settings",
+           "variant_build_key"]

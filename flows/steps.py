@@ -1,5 +1,5 @@
-"""Plain functions for every stage of a conversion run. ``flows/tasks.py`` wraps them as Prefect
-tasks; tests call them directly. They pass paths, digests and registry references, never tensors.
+"""Plain functions for every stage of a conversion run. The stage bodies (``flows/stages.py``) call
+them; tests call them directly. They pass paths, digests and registry references, never tensors.
 
 This is the only layer that joins converters, evaluators and the registry.
 """
@@ -38,7 +38,7 @@ from pipeline.texts import calibration_text as pick_calibration_text
 from pipeline.texts import eval_text as pick_eval_text
 from pipeline.texts import text_sha256
 from registry import open_registry
-from registry.store import RegisterRequest, VersionView
+from registry.store import VersionView
 
 
 @dataclass
@@ -198,15 +198,6 @@ def lineage(plan: Plan, resolved: Resolved, spec: Any, built: BuiltVariant, key:
         "environment": {"python": sys.version.split()[0], "platform": platform.platform()},
         "built_at": datetime.now(UTC).isoformat(),
     }
-
-
-def register(settings: Settings, plan: Plan, resolved: Resolved, spec: Any, built: BuiltVariant,
-             key: str) -> VersionView:
-    reg = open_registry(settings)
-    return reg.register_version(RegisterRequest(
-        model=resolved.model_name, architecture=resolved.architecture, source=resolved.source,
-        variant=spec.name, format=str(spec.format), spec=spec.model_dump(mode="json"), build_key=key,
-        lineage=lineage(plan, resolved, spec, built, key), files=built.files, force=plan.force))
 
 
 # --- evaluation ---------------------------------------------------------------------------------
@@ -375,13 +366,14 @@ def model_path(fmt: str, files: list[Path], folder: Path) -> Path:
 def real_checkpoint(settings: Settings, recipe: RealRecipe | None = None) -> Path:
     """The real pretrained checkpoint (pipeline/real_model.py), built once and cached; its tokenizer is
     checked against llama.cpp's on the original GGUF, on the whole evaluation and calibration texts."""
-    from converters.gguf.converter import tool_env
     from converters.gguf.tokenizer import check_parity
+    from pipeline.llama_cpp import llama_cpp_toolchain
     from pipeline.proc import failure_log_dir
 
     def parity(gguf: Path, checkpoint: Path, texts: dict[str, str], log_dir: Path) -> dict[str, Any]:
-        return check_parity(gguf, checkpoint, python=settings.core_python, env=tool_env(), log_dir=log_dir,
-                            timeout_s=600, allow=False, texts=texts, keep=failure_log_dir(settings.logs_root))
+        return check_parity(gguf, checkpoint, python=settings.core_python, env=llama_cpp_toolchain(settings).env(),
+                            log_dir=log_dir, timeout_s=600, allow=False, texts=texts,
+                            keep=failure_log_dir(settings.logs_root))
 
     recipe = recipe or RealRecipe()
     return cached_real_model(settings.cache_dir, settings.core_python, parity if recipe.fix_pretokenizer else None,

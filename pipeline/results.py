@@ -57,8 +57,8 @@ class ConvertReport(BaseModel):
     events: list[str] = Field(default_factory=list)
     wall_s: float = 0.0
     stage_s: dict[str, float] = Field(default_factory=dict)
-    #: Distributed runs (flows/orchestrate.py): one entry per stage — stage, pool, key, status
-    #: (ran | reused | failed | skipped), flow_run_id, work_pool, work_s, wall_s, dispatch_s, deps.
+    #: One entry per stage of the run's graph (flows/graph.py): stage, pool, key, status (ran | reused |
+    #: failed | skipped | not_needed), error, error_type, flow_run_id, work_pool, work_s, wall_s, dispatch_s, deps.
     stages: list[dict[str, Any]] = Field(default_factory=list)
 
     def count(self, event: str) -> int:

@@ -54,12 +54,6 @@ WORKER = "converters.gguf.workers.quantize"
 IMATRIX_KIND = "imatrix"
 
 
-def tool_env() -> dict[str, str]:
-    """The llama.cpp tools' environment. Only flows/steps.py still calls this: it should call
-    ``llama_cpp_toolchain(settings).env()`` and this function go."""
-    return llama_cpp_toolchain(Settings()).env()
-
-
 def choose_base_type(ckpt: Checkpoint, requested: str = "auto") -> str:
     """F16 for fp16/fp32 sources, BF16 for bf16 ones (bf16→f16 can overflow), unless told otherwise."""
     if requested != "auto":
