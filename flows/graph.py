@@ -202,8 +202,10 @@ def build_graph(plan: Plan, identity: str, placement: Placement, target: dict[st
 
     def request(stage: StageName, name: str, spec: dict[str, Any], tools: list[str], pool: str, sub: Plan,
                 upstream: dict[str, str], **kw: Any) -> StageRequest:
-        key = stage_key(identity, stage, {**spec, "nonce": nonce} if nonce and stage in
-                        ("build", "register", "evaluate") else spec, tools)
+        if stage in ("build", "register", "evaluate"):
+            # what these record is a version of one model: the same source under another name is another one
+            spec = {**spec, "model": plan.model_name, **({"nonce": nonce} if nonce else {})}
+        key = stage_key(identity, stage, spec, tools)
         return StageRequest(stage=stage, name=name, key=key, source_identity=identity, plan=sub, upstream=upstream,
                             pool=pool, registry=target.get("registry"), blobs=target.get("blobs"), **kw)
 

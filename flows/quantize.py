@@ -5,8 +5,9 @@ the distributed executor (flows/orchestrate.py).
 Re-running is cheap by construction: a stage whose key is in the ledger is reused without running (a
 variant whose build key is already registered is reused by its build stage even without a ledger record),
 the GGUF base is cached per source, and window sets and reference log-probs are registry artifacts of the
-source. A preparation or the reference runs only when a stage that reads it must run. One variant failing
-(conversion or engine) is recorded and the others go on; a full disk stops the run with its error.
+source. A preparation or the reference runs only when a stage that reads it must run. A source that fails
+its checks or its preparation stops the run with that error and leaves the registry as it was; one variant
+failing (conversion or engine) is recorded and the others go on; a full disk stops the run with its error.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from prefect.cache_policies import NONE
 from flows import steps
 from flows.graph import FINISHED, Graph, StageOutcome, StageRequest, build_graph, publish, report, reusable, settle
 from flows.ledger import StageRecord, pinned_input
-from flows.stages import BODIES, InProcess, run_stage
+from flows.stages import BODIES, SOURCE_STAGES, InProcess, run_stage
 from pipeline.config import Settings
 from pipeline.errors import DiskFullError, QuantyardError
 from pipeline.plan import Plan
@@ -70,6 +71,8 @@ def _run(reg: Registry, graph: Graph, name: str, outcomes: dict[str, StageOutcom
     except DiskFullError:
         raise  # no later stage can succeed either: stop with the clear error
     except QuantyardError as exc:
+        if request.stage in SOURCE_STAGES:
+            raise  # the source or a format's preparation of it failed: nothing of this run can be built
         return request.outcome("failed", error=exc.summary(), error_type=type(exc).__name__,
                                dispatch_s=time.perf_counter() - t0)
     return request.outcome("ran", record=record, dispatch_s=time.perf_counter() - t0)

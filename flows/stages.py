@@ -56,6 +56,9 @@ from registry.store import RegisterRequest, Registry
 
 #: Stages that hold a slot of their pool's concurrency limit while they work.
 HEAVY_STAGES: frozenset[str] = frozenset({"prepare", "build", "reference", "evaluate"})
+#: Stages an embedded run records only once a later stage starts (InProcess.pending).
+SOURCE_STAGES: frozenset[str] = frozenset({"resolve", "prepare"})
+Who = tuple[str, str | None, SourceRef]
 
 
 @dataclass
@@ -67,6 +70,22 @@ class InProcess:
     settings: Settings
     resolved: steps.Resolved
     prepared: dict[str, Prepared] = field(default_factory=dict)  # by prepare-stage key
+    #: Records of the stages that touch nothing but the source (resolve, prepare), written to the ledger
+    #: only when a later stage starts: a source that fails its checks or its preparation (bad input) leaves
+    #: the registry exactly as it was.
+    pending: list[tuple[StageRequest, StageRecord, Who]] = field(default_factory=list)
+
+    def flush(self, reg: Registry) -> None:
+        """Write the pending records (a preparation's shared files first, into the blob store)."""
+        for request, record, (model, architecture, source) in self.pending:
+            if request.stage == "prepare":
+                shared = _share(reg, request, self.resolved, self.prepared[request.key])
+                outputs = {**record.outputs, "shared": {k: v.model_dump(mode="json") for k, v in shared.items()}}
+                record = record.model_copy(update={"outputs": outputs})
+            with steps.scratch_dir(self.settings) as tmp:
+                record_stage(reg, model=model, architecture=architecture, source=source, record=record,
+                             scratch=Path(tmp))
+        self.pending.clear()
 
 
 @dataclass
@@ -93,7 +112,6 @@ class StageContext:
         return out.model, out.architecture, out.source
 
 
-Who = tuple[str, str | None, SourceRef]
 Body = Callable[[StageContext], tuple[StageOutputs, Who]]
 
 
@@ -122,6 +140,8 @@ def run_stage(request: StageRequest, slot: str | None, body: Body, here: InProce
     logger = get_run_logger()
     settings = here.settings if here is not None else stage_settings(request)
     reg = open_registry(settings)
+    if here is not None and request.stage not in SOURCE_STAGES:
+        here.flush(reg)
     done = find_stage(reg, request.source_identity, request.key)
     if done is not None:
         logger.info("stage %s key %s: already recorded by flow run %s, nothing to do", request.name,
@@ -136,6 +156,9 @@ def run_stage(request: StageRequest, slot: str | None, body: Body, here: InProce
         record = StageRecord(stage=request.name, key=request.key, pool=request.pool,
                              outputs=outputs.model_dump(mode="json"), work_s=watch.total,
                              wall_s=time.perf_counter() - t0, flow_run_id=_flow_run_id(), slot=held)
+        if here is not None and request.stage in SOURCE_STAGES:
+            here.pending.append((request, record, (model, architecture, source)))
+            return record
         record = record_stage(reg, model=model, architecture=architecture, source=source, record=record,
                               scratch=Path(tmp))
     logger.info("stage %s key %s: done, work %.2f s of %.2f s (events: %s)", request.name, request.key[:16],
@@ -185,20 +208,28 @@ def _prepare_body(ctx: StageContext) -> tuple[PrepareOutputs, Who]:
     resolved = _resolved(ctx)
     with ctx.watch:
         prepared = steps.prepare_format(req.fmt, req.plan, resolved, list(req.plan.variants), ctx.settings)
-    if ctx.here is not None:
+    if ctx.here is not None:  # shared when the record is written (InProcess.flush)
         ctx.here.prepared[req.key] = prepared
+        shared = {}
+    else:
+        shared = _share(ctx.reg, req, resolved, prepared)
+    return PrepareOutputs(shared=shared, meta=prepared.meta, events=prepared.events), _who(resolved)
+
+
+def _share(reg: Registry, req: StageRequest, resolved: steps.Resolved, prepared: Prepared) -> dict[str, NamedBlob]:
+    """Files of a preparation that builds on other machines need (FormatInfo.shared_prepared), by their
+    Prepared.paths name: put in the blob store (found again by digest)."""
+    assert req.fmt is not None
     shared = {}
-    # Files of the preparation that builds on other machines need (FormatInfo.shared_prepared), by their
-    # Prepared.paths name: put in the blob store and found again by digest.
     for name in format_info(req.fmt).shared_prepared:
         if name not in prepared.paths:
             continue
         path = Path(prepared.paths[name])
-        art = ctx.reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
-                                          source=resolved.source, kind=f"{req.fmt}_{name}", key=req.key,
-                                          name=path.name, path=path, meta={"stage": req.name})
+        art = reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
+                                      source=resolved.source, kind=f"{req.fmt}_{name}", key=req.key,
+                                      name=path.name, path=path, meta={"stage": req.name})
         shared[name] = NamedBlob(name=path.name, sha256=art.sha256, size=art.size)
-    return PrepareOutputs(shared=shared, meta=prepared.meta, events=prepared.events), _who(resolved)
+    return shared
 
 
 def _prepared_here(ctx: StageContext, resolved: steps.Resolved) -> Prepared:

@@ -42,6 +42,10 @@ def test_keys_are_stable_and_force_renews_only_builds_registrations_and_evaluati
     forced = _graph(_plan(), nonce="abc")
     changed = {n for n in one.nodes if one.nodes[n].request.key != forced.nodes[n].request.key}
     assert changed == {n for n in one.nodes if n.split(":")[0] in ("build", "register", "evaluate")}
+    # the same source under another name: its own versions, the same preparation and reference
+    other = _graph(_plan().model_copy(update={"model_name": "other"}))
+    renamed = {n for n in one.nodes if one.nodes[n].request.key != other.nodes[n].request.key}
+    assert renamed == {n for n in one.nodes if n.split(":")[0] in ("resolve", "build", "register", "evaluate")}
     # another variant leaves the preparation's key alone: adding a type reuses the base
     more = _graph(Plan(source=SourceInput(source="/nowhere/demo"), model_name="demo",
                        variants=variants_from_flags(gguf="Q8_0,Q4_K_M,Q2_K")))
