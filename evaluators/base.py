@@ -107,19 +107,44 @@ def run_engine(cmd: RunnerCommand, request: dict[str, Any], out_dir: Path, setti
                       keep_logs=failure_log_dir(settings.logs_root))
 
 
+#: Members of a reference's npz that stay on disk (the whole distribution, read memory-mapped by runners).
+FULL_MEMBERS = frozenset({"full_codes"})
+
+
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    """Every array of a runner's npz but the whole stored distribution (see ``FULL_MEMBERS``)."""
     with np.load(path, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+        return {k: z[k] for k in z.files if k not in FULL_MEMBERS}
 
 
-def score(reference: Path, output: RunnerOutput, engine: Engine) -> dict[str, Any]:
-    """Metrics of a runner's output against the reference file (see evaluators.metrics.compare)."""
+def window_sizes(windows: Path) -> np.ndarray:
+    """Scored positions per window of a window file (what the window bootstrap resamples)."""
+    with np.load(windows, allow_pickle=False) as z:
+        return (int(z["ids"].shape[1]) - z["score_start"].astype(np.int64)).astype(np.int64)
+
+
+def quality_request(reference: Path, spec: EvalSpec) -> dict[str, Any]:
+    """The request keys that score a variant against ``reference``: the exact KLD (``kld="full"``) unless the
+    plan asks for the cheaper top-K lower bound."""
+    return {"reference": str(reference), "kld": "topk" if spec.kld == "topk_lower_bound" else "full",
+            "top_k": spec.top_k}
+
+
+def score(reference: Path, output: RunnerOutput, engine: Engine, windows: Path | None = None) -> dict[str, Any]:
+    """Metrics of a runner's output against the reference file (see evaluators.metrics.compare), with the
+    window bootstrap over ``windows``' windows, and the reference's identity.
+
+    Raises:
+        EngineError: the runner wrote no log-probs.
+    """
     if output.arrays is None:
         raise EngineError(f"{engine.value} runner wrote no log-probs", engine=engine.value)
     ref = load_arrays(reference)
     q = load_arrays(output.arrays)
-    metrics = compare(ref, q)
+    metrics = compare(ref, q, window_sizes(windows) if windows is not None else None)
     metrics.update({k: v for k, v in output.result.get("quality", {}).items() if k not in metrics})
+    if "full_step" in ref and metrics.get("kld_method") == "full-vocabulary":
+        metrics["ref_logprob_step_max"] = float(np.max(ref["full_step"]))
     return metrics
 
 

@@ -4,26 +4,39 @@ These are the figures ``llama-perplexity --kl-divergence`` reports (PPL, ln(PPL_
 KLD and its percentiles, "same top" %, Δp), computed on our shared windows so every engine
 is comparable.
 
-**KL-divergence from top-K plus tail.** The reference stores, per position, its top-K
-log-probs ``log P(v)`` for ``v`` in ``T`` (its K most likely tokens) and the log of the
-remaining mass ``log P(V∖T)``. Engines report ``log Q(v)`` for the same ids and
-``log Q(V∖T)``. We compute KL over the K+1 bins ``{v₁..v_K, V∖T}``:
+**KL-divergence, exact.** ``kld_mean`` is the mean over scored positions of KL(P_ref ‖ Q) summed over the
+whole vocabulary, what ``llama-perplexity --kl-divergence`` reports. The runner computes it per position
+(``evaluators.protocol.kld_rows``) against the reference's stored distribution, rounded to a 16-bit grid
+of at most 6.1e-4 nats (llama.cpp rounds its base the same way, over 16 nats instead of 40, and leaves out
+the tokens whose base log-prob is below -16; we keep them). ``kld_method`` says ``full-vocabulary``.
 
-    KL_K(P‖Q) = Σ_{v∈T} P(v)·log(P(v)/Q(v)) + P(V∖T)·log(P(V∖T)/Q(V∖T)).
+**Top-K lower bound (a cheaper mode, never shown as "KLD").** With ``kld="topk"`` the runner reports only
+its log-probs at the reference's top-K ids; KL over the K+1 bins ``{v₁..v_K, V∖T}``
 
-Merging outcomes never increases KL-divergence (log-sum inequality / data processing), so
-``KL_K ≤ KL`` always: the approximation is a lower bound. The gap is the divergence of P and
-Q *inside* the tail, weighted by the tail mass, ``P(V∖T)·KL(P|_tail ‖ Q|_tail)``; it is zero
-when Q is proportional to P on the tail and vanishes as ``P(V∖T) → 0``. With full logits
-(``K`` = vocabulary size, tail mass zero) the formula is the exact KL.
+    KL_K(P‖Q) = Σ_{v∈T} P(v)·log(P(v)/Q(v)) + P(V∖T)·log(P(V∖T)/Q(V∖T))
+
+is a lower bound (merging outcomes never increases KL-divergence), short of the exact value by
+``P(V∖T)·KL(P|_tail ‖ Q|_tail)``: 21–24 % on SmolLM2-135M at K = 32. It is stored as
+``kld_topk_lower_bound_mean`` with ``kld_method`` = ``top{K}-lower-bound``, and no ``kld_mean``, so a gate
+written for the exact KLD never passes on it.
+
+**Uncertainty.** Tokens of one window are correlated, so standard errors and 95 % intervals of PPL,
+ΔPPL, ln(PPL ratio) and KLD come from a bootstrap over whole windows (:func:`window_bootstrap`:
+``BOOTSTRAP_RESAMPLES`` resamples of the windows with replacement, fixed seed), not from the
+independent-token formula. ``ci_method`` says so.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+CI_METHOD = f"bootstrap over windows ({BOOTSTRAP_RESAMPLES} resamples, 95 % percentile interval)"
 
 
 @dataclass(frozen=True)
@@ -40,7 +53,8 @@ class Perplexity:
 
 
 def perplexity(target_logprob: np.ndarray) -> Perplexity:
-    """Perplexity ``exp(mean NLL)`` with the standard error of the mean NLL (nats/token)."""
+    """Perplexity ``exp(mean NLL)`` with the independent-token standard error of the mean NLL (nats/token).
+    :func:`compare` replaces the error by the window bootstrap's."""
     nll = -np.asarray(target_logprob, dtype=np.float64)
     n = int(nll.size)
     if n == 0:
@@ -50,9 +64,44 @@ def perplexity(target_logprob: np.ndarray) -> Perplexity:
     return Perplexity(ppl=math.exp(mean), nll_mean=mean, nll_se=se, n_tokens=n)
 
 
+def window_bootstrap(values: dict[str, np.ndarray], sizes: np.ndarray, resamples: int = BOOTSTRAP_RESAMPLES,
+                     seed: int = BOOTSTRAP_SEED) -> dict[str, np.ndarray]:
+    """Bootstrap distributions of per-token means, resampling whole windows with replacement.
+
+    ``values``: name → per-position array (window-major, the scoring order); ``sizes``: the number of
+    scored positions of each window (they sum to the arrays' length). Returns name → ``resamples`` means,
+    each the token-weighted mean over one resample of the windows. Every name uses the same resamples, so
+    paired differences (ΔPPL) keep their pairing. One window (or none): empty arrays.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    k = len(sizes)
+    if k < 2:
+        return {name: np.empty(0) for name in values}
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    idx = np.random.default_rng(seed).integers(0, k, size=(resamples, k))
+    counts = sizes[idx].sum(axis=1).astype(np.float64)
+    out = {}
+    for name, v in values.items():
+        v = np.asarray(v, dtype=np.float64)
+        if len(v) != bounds[-1]:
+            raise ValueError(f"{name}: {len(v)} positions, the windows hold {bounds[-1]}")
+        sums = np.add.reduceat(v, bounds[:-1]) if len(v) else np.zeros(k)
+        out[name] = sums[idx].sum(axis=1) / counts
+    return out
+
+
+def _interval(samples: np.ndarray, f: Any = None) -> tuple[float | None, float | None, float | None]:
+    """(standard error, 2.5 %, 97.5 %) of bootstrap means, optionally through ``f`` (None where empty)."""
+    if samples.size == 0:
+        return None, None, None
+    x = f(samples) if f is not None else samples
+    lo, hi = np.percentile(x, [2.5, 97.5])
+    return float(np.std(samples, ddof=1)), float(lo), float(hi)
+
+
 def kld_per_position(ref_logprobs: np.ndarray, ref_tail: np.ndarray, q_logprobs: np.ndarray,
                      q_tail: np.ndarray) -> np.ndarray:
-    """KL(P_ref ‖ Q) per position over the K+1 bins described in the module docstring (nats).
+    """The top-K lower bound KL_K(P_ref ‖ Q) per position over the K+1 bins of the module docstring (nats).
 
     Args:
         ref_logprobs: [N, K] reference log-probs of its top-K tokens.
@@ -79,12 +128,12 @@ def percentiles(x: np.ndarray) -> dict[str, float]:
             "p999": float(np.percentile(x, 99.9)), "max": float(x.max())}
 
 
-def kld_summary(kld: np.ndarray) -> dict[str, float]:
+def kld_summary(kld: np.ndarray, prefix: str = "kld") -> dict[str, float]:
     kld = np.asarray(kld, dtype=np.float64)
     n = kld.size
-    out = {"kld_mean": float(kld.mean()),
-           "kld_se": float(kld.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")}
-    out.update({f"kld_{k}": v for k, v in percentiles(kld).items()})
+    out = {f"{prefix}_mean": float(kld.mean()),
+           f"{prefix}_se": float(kld.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")}
+    out.update({f"{prefix}_{k}": v for k, v in percentiles(kld).items()})
     return out
 
 
@@ -110,20 +159,57 @@ def ln_ppl_ratio(ref_target_logprob: np.ndarray, q_target_logprob: np.ndarray) -
             "ln_ppl_ratio_se": float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")}
 
 
-def compare(ref: dict[str, np.ndarray], q: dict[str, np.ndarray]) -> dict[str, float]:
-    """All metrics of a variant's runner output ``q`` against the reference ``ref`` (both as saved
-    by the runner protocol; ``q`` must contain ``at_ref_logprobs`` / ``at_ref_tail``)."""
-    if q["target_logprob"].shape != ref["target_logprob"].shape:
-        raise ValueError(f"variant scored {q['target_logprob'].shape[0]} positions, reference "
-                         f"{ref['target_logprob'].shape[0]}: not the same window set")
+def topk_lower_bound(ref: dict[str, np.ndarray], q: dict[str, np.ndarray]) -> np.ndarray:
+    """Per-position top-K lower bound from a runner's ``at_ref_*`` output (``kld="topk"``)."""
+    return kld_per_position(ref["topk_logprobs"], ref["tail_logprob"], q["at_ref_logprobs"], q["at_ref_tail"])
+
+
+def compare(ref: dict[str, np.ndarray], q: dict[str, np.ndarray], window_sizes: np.ndarray | None = None,
+            ) -> dict[str, Any]:
+    """All metrics of a variant's runner output ``q`` against the reference ``ref`` (both as saved by the
+    runner protocol). ``q`` holds ``kld`` (exact) or ``at_ref_logprobs``/``at_ref_tail`` (top-K lower
+    bound). ``window_sizes``: scored positions per window, for the window bootstrap (None: one window).
+
+    Raises:
+        ValueError: ``q`` and ``ref`` were not scored on the same positions, or ``q`` has no KLD input.
+    """
+    nq, nr = q["target_logprob"].shape[0], ref["target_logprob"].shape[0]
+    if nq != nr:
+        raise ValueError(f"variant scored {nq} positions, reference {nr}: not the same window set")
+    sizes = np.asarray([nq] if window_sizes is None else window_sizes, dtype=np.int64)
     pq, pr = perplexity(q["target_logprob"]), perplexity(ref["target_logprob"])
-    kld = kld_per_position(ref["topk_logprobs"], ref["tail_logprob"], q["at_ref_logprobs"], q["at_ref_tail"])
-    out: dict[str, float] = {**{k: float(v) for k, v in pq.to_dict().items()}}
+    out: dict[str, Any] = {**{k: float(v) for k, v in pq.to_dict().items()}}
     out["ref_ppl"] = pr.ppl
     out["delta_ppl_pct"] = 100.0 * (pq.ppl / pr.ppl - 1.0)
     out.update(ln_ppl_ratio(ref["target_logprob"], q["target_logprob"]))
-    out.update(kld_summary(kld))
+    if "kld" in q:
+        kld, prefix = np.asarray(q["kld"], np.float64), "kld"
+        out["kld_method"] = "full-vocabulary"
+    elif "at_ref_logprobs" in q:
+        kld, prefix = topk_lower_bound(ref, q), "kld_topk_lower_bound"
+        out["kld_method"] = f"top{ref['topk_logprobs'].shape[1]}-lower-bound"
+        out["ref_tail_mass_mean"] = float(np.exp(np.asarray(ref["tail_logprob"], np.float64)).mean())
+    else:
+        raise ValueError("the variant's output has neither kld (exact) nor at_ref_logprobs (top-K bound)")
+    out.update(kld_summary(kld, prefix))
     out["top1_agreement"] = top1_agreement(ref["top1"], q["top1"])
     out.update(delta_p(ref["target_logprob"], q["target_logprob"]))
-    out["ref_tail_mass_mean"] = float(np.exp(np.asarray(ref["tail_logprob"], np.float64)).mean())
+    out.update(_bootstrap(ref, q, kld, prefix, sizes))
+    return out
+
+
+def _bootstrap(ref: dict[str, np.ndarray], q: dict[str, np.ndarray], kld: np.ndarray, prefix: str,
+               sizes: np.ndarray) -> dict[str, Any]:
+    """Window-bootstrap standard errors and 95 % intervals (see the module docstring)."""
+    nll_q = -np.asarray(q["target_logprob"], np.float64)
+    nll_r = -np.asarray(ref["target_logprob"], np.float64)
+    boot = window_bootstrap({"nll": nll_q, "diff": nll_q - nll_r, "kld": kld}, sizes)
+    out: dict[str, Any] = {"ci_method": CI_METHOD if boot["nll"].size else "none (one window)",
+                           "n_windows": len(sizes)}
+    se, lo, hi = _interval(boot["nll"], np.exp)
+    out.update(nll_se=se, ppl_ci95_low=lo, ppl_ci95_high=hi)
+    se, lo, hi = _interval(boot["diff"], lambda d: 100.0 * np.expm1(d))
+    out.update(ln_ppl_ratio_se=se, delta_ppl_pct_ci95_low=lo, delta_ppl_pct_ci95_high=hi)
+    se, lo, hi = _interval(boot["kld"])
+    out.update({f"{prefix}_se": se, f"{prefix}_ci95_low": lo, f"{prefix}_ci95_high": hi})
     return out

@@ -3,22 +3,28 @@
 pydantic nor gguf.
 
 A runner is started as ``python -m evaluators.<engine>.runner REQUEST.json``. The request holds
-``model``, ``windows`` (npz from evaluators.windows), optional ``ref_topk`` (npz with
-``topk_ids``), ``top_k``, ``threads``, ``out_dir`` and optional ``speed`` settings. The runner writes
-``out_dir/logprobs.npz`` and, last, ``out_dir/result.json``; a missing ``result.json`` means the
-runner died.
+``model``, ``windows`` (npz from evaluators.windows), optional ``reference`` (the reference's npz, see
+below), ``kld`` (``full``, the default, or ``topk``), ``top_k``, ``threads``, ``out_dir``, optional
+``store_full`` (the reference runner: keep the whole distribution) and optional ``speed`` settings. The
+runner writes ``out_dir/logprobs.npz`` and, last, ``out_dir/result.json``; a missing ``result.json``
+means the runner died.
 
 Per scored position (window-major order, see WindowSet) ``logprobs.npz`` holds:
 
 * ``target_logprob`` float64 [N]: log p(actual next token);
 * ``top1`` int32 [N]: the engine's most likely token;
 * ``topk_ids`` int32 [N,K], ``topk_logprobs`` float32 [N,K], ``tail_logprob`` float64 [N]: the engine's
-  own top-K and the log of the probability mass outside it (what a reference stores) — written when no
-  ``ref_topk`` is given; a variant scored against a reference does not need them (they cost a top-K
-  selection over the vocabulary per position), unless the request sets ``own_topk``;
-* with ``ref_topk``: ``at_ref_logprobs`` float32 [N,K] and ``at_ref_tail`` float64 [N]: the engine's
-  log-probs at the *reference's* top-K ids and the log of its mass outside those ids, which is what
-  KL-divergence against the reference needs.
+  own top-K and the log of the probability mass outside it: written when no ``reference`` is given (the
+  reference runner) or when the request sets ``own_topk``;
+* with ``store_full``, the whole distribution, rounded the way ``llama-perplexity --kl-divergence-base``
+  stores it (see :func:`encode_rows`): ``full_codes`` uint16 [N,V], ``full_lo`` and ``full_step`` float32
+  [N]. ``full_codes`` is an uncompressed npz member, read in place (memory-mapped) by
+  :class:`Reference`;
+* with a ``reference`` and ``kld="full"``: ``kld`` float64 [N], the exact KL(P_ref ‖ Q) over the whole
+  vocabulary (:func:`kld_rows`);
+* with a ``reference`` and ``kld="topk"``: ``at_ref_logprobs`` float32 [N,K] and ``at_ref_tail`` float64
+  [N]: the engine's log-probs at the *reference's* top-K ids and the log of its mass outside them, from
+  which evaluators.metrics computes the cheaper top-K lower bound (``kld_topk_lower_bound``).
 """
 
 from __future__ import annotations
@@ -31,14 +37,21 @@ import sys
 import time
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from pipeline.cpu import cpu_flags
 from pipeline.fs import atomic_path, write_atomic
 
-BLOCK = 128  # positions per vectorised block: bounds memory at BLOCK x vocab floats
+BLOCK = 128  # most positions per vectorised block
+BLOCK_ELEMENTS = 1 << 21  # and at most this many logits per block: bounds memory at any vocabulary size
+
+
+def block_rows(vocab: int) -> int:
+    """Positions per block for a vocabulary of ``vocab``: 128 on small vocabularies, fewer on large ones
+    (8 at 262,144), so that each temporary array holds at most ``BLOCK_ELEMENTS`` floats (8 MB)."""
+    return max(1, min(BLOCK, BLOCK_ELEMENTS // max(1, vocab)))
 
 
 def read_request() -> dict[str, Any]:
@@ -50,6 +63,127 @@ def read_request() -> dict[str, Any]:
 def load_windows(path: str) -> tuple[np.ndarray, np.ndarray]:
     with np.load(path, allow_pickle=False) as z:
         return z["ids"].astype(np.int64), z["score_start"].astype(np.int64)
+
+
+# --- the reference's whole distribution -----------------------------------------------------------------
+
+#: The reference's log-probs are stored per position on a uniform 16-bit grid below the position's largest
+#: logit, as ``llama-perplexity --kl-divergence-base`` stores them, but over ``FULL_RANGE`` nats where
+#: llama.cpp uses 16. Code 0 is a logit of -inf (probability exactly 0); codes 1..65535 map
+#: ``lo .. 0`` (``lo = max(min logit − max logit, −FULL_RANGE)``), so the grid step is at most
+#: ``FULL_RANGE / 65534`` = 6.1e-4 nats. Decoded and renormalised, the stored distribution P̃ differs from
+#: the reference P by a rounding of at most half a step in each log-prob: the KL-divergence computed from
+#: P̃ differs from the exact one by about KL(P̃ ‖ P) ≈ step²/24 ≤ 1.6e-8 nats plus a zero-mean term, far
+#: below any quantization's KLD. A token more than ``FULL_RANGE`` nats below the top is stored at ``lo``
+#: (a share of at most e^-40 each: 1e-12 of the mass at a 262,144-token vocabulary).
+FULL_RANGE = 40.0
+FULL_STEPS = 65534
+
+
+def encode_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Logits (or log-probs: only differences matter) [n, V] → (codes uint16 [n, V], lo float32 [n],
+    step float32 [n]); see :data:`FULL_RANGE`."""
+    y = np.asarray(x, dtype=np.float32)
+    y = y - y.max(axis=1, keepdims=True)
+    finite = np.isfinite(y)
+    low = np.where(finite, y, 0.0).min(axis=1)
+    lo = np.maximum(low, -FULL_RANGE).astype(np.float32)
+    step = (-lo / FULL_STEPS).astype(np.float32)
+    inv = np.divide(1.0, step, out=np.zeros_like(step), where=step > 0)
+    with np.errstate(invalid="ignore"):
+        codes = np.rint((y - lo[:, None]) * inv[:, None]) + 1.0
+    np.clip(codes, 1.0, FULL_STEPS + 1.0, out=codes)
+    codes[~finite] = 0.0
+    return codes.astype(np.uint16), lo, step
+
+
+def decode_rows(codes: np.ndarray, lo: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The stored log-probs, up to a constant per row (float32 [n, V]; -inf where the code is 0)."""
+    a = np.asarray(codes, dtype=np.float32) - np.float32(1.0)
+    a *= np.asarray(step, dtype=np.float32)[:, None]
+    a += np.asarray(lo, dtype=np.float32)[:, None]
+    if a.size and int(np.asarray(codes).min()) == 0:
+        a[np.asarray(codes) == 0] = -np.inf
+    return a
+
+
+def kld_rows(x: np.ndarray, codes: np.ndarray, lo: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Exact KL(P̃_ref ‖ Q) per position over the whole vocabulary (nats, float64 [n]).
+
+    ``x``: the engine's logits (or log-probs) [n, V]; ``codes, lo, step``: the reference's stored rows
+    (:func:`encode_rows`). With ``a`` the decoded reference and ``b = x − max x``, both unnormalised:
+
+        KL = Σᵢ e^{aᵢ}(aᵢ − bᵢ) / Zₐ − log Zₐ + log Z_b,   Zₐ = Σ e^{aᵢ},  Z_b = Σ e^{bᵢ}.
+
+    Exponentials in float32, sums in float64: a uniform relative error of the float32 ``exp`` cancels
+    between the two ``log Z``, and the ratio is that of the same rounded weights.
+    """
+    a = decode_rows(codes, lo, step)
+    b = np.asarray(x, dtype=np.float32)
+    b = b - b.max(axis=1, keepdims=True)
+    ea = np.exp(a)
+    with np.errstate(invalid="ignore"):  # -inf - -inf where both mask a token: handled below
+        d = np.subtract(a, b, out=a)
+    if not np.isfinite(d).all():  # -inf in the reference (P = 0): no term; -inf in the engine only: +inf
+        d[ea == 0] = 0.0
+    d *= ea
+    s = d.sum(axis=1, dtype=np.float64)
+    za = ea.sum(axis=1, dtype=np.float64)
+    np.exp(b, out=b)
+    zb = b.sum(axis=1, dtype=np.float64)
+    return np.maximum(s / za - np.log(za) + np.log(zb), 0.0)
+
+
+def npz_member(path: Path, name: str) -> np.memmap:
+    """An uncompressed ``.npy`` member of an npz file, memory-mapped in place (read-only).
+
+    Raises:
+        ValueError: ``name`` is not a stored (uncompressed) member.
+    """
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(f"{name}.npy")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"{path}: member {name} is compressed and cannot be memory-mapped")
+    with open(path, "rb") as fh:
+        fh.seek(info.header_offset)
+        local = fh.read(30)
+        if local[:4] != b"PK\x03\x04":
+            raise ValueError(f"{path}: no local zip header for member {name}")
+        n_name, n_extra = struct.unpack("<HH", local[26:30])
+        fh.seek(info.header_offset + 30 + n_name + n_extra)
+        version = np.lib.format.read_magic(fh)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(fh)
+        offset = fh.tell()
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+
+
+class Reference:
+    """A reference's npz as a variant's runner reads it: the top-K ids (for the top-K lower bound) and, for
+    the exact KLD, the whole stored distribution, memory-mapped (it may be larger than memory)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        with np.load(self.path, allow_pickle=False) as z:
+            names = set(z.files)
+            self.topk_ids = z["topk_ids"].astype(np.int64) if "topk_ids" in names else None
+            self.has_full = "full_codes" in names
+            self.lo = z["full_lo"] if self.has_full else None
+            self.step = z["full_step"] if self.has_full else None
+            self.n = int(z["target_logprob"].shape[0]) if "target_logprob" in names else 0
+        self.codes = npz_member(self.path, "full_codes") if self.has_full else None
+
+    @property
+    def vocab(self) -> int | None:
+        return None if self.codes is None else int(self.codes.shape[1])
+
+    def rows(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The stored rows of positions ``a..b-1``: (codes, lo, step)."""
+        assert self.codes is not None and self.lo is not None and self.step is not None
+        return np.asarray(self.codes[a:b]), self.lo[a:b], self.step[a:b]
 
 
 def load_ref_ids(path: str | None) -> np.ndarray | None:
@@ -76,24 +210,58 @@ def _log_rest(lp: np.ndarray) -> np.ndarray:
     Computing it from the K log-probs (not by summing the rest of the vocabulary) is O(K). The log-probs
     come from float32 logits minus a float64 log-sum-exp (or are float64 already), so float64
     cancellation leaves ~1e-15 of noise, so a rest below REST_FLOOR (1e-12) is stored as the floor:
-    with full logits both sides then hold the floor and the tail term of the KLD is exactly 0; in
-    general the floor changes a KLD by less than 1e-12 · |Δ log| nats.
+    with full logits both sides then hold the floor and the tail term of the top-K bound is exactly 0; in
+    general the floor changes it by less than 1e-12 · |Δ log| nats.
     """
     rest = 1.0 - np.exp(lp).sum(axis=1)
     return np.log(np.maximum(rest, REST_FLOOR))
 
 
-class Collector:
-    """Accumulates per-position outputs from full logits, window by window."""
+KLD_MODES = ("full", "topk")
 
-    def __init__(self, top_k: int, ref_ids: np.ndarray | None, own_topk: bool | None = None) -> None:
+
+class Collector:
+    """Accumulates per-position outputs from logits (or log-probs), window by window.
+
+    ``reference``: what a variant is scored against (None for the reference itself). ``kld``: ``full``
+    (exact, needs the reference's stored distribution) or ``topk`` (the log-probs at the reference's top-K
+    ids, for the top-K lower bound). ``store_full``: a scratch file to stream the whole distribution into
+    (the reference runner), packed into ``logprobs.npz`` by :meth:`save`.
+    """
+
+    def __init__(self, top_k: int, reference: Reference | np.ndarray | None, own_topk: bool | None = None,
+                 kld: str | None = None, store_full: Path | None = None) -> None:
+        if kld is None:  # what the reference allows: exact with a stored distribution, else the top-K bound
+            kld = "full" if isinstance(reference, Reference) and reference.has_full else "topk"
+        if kld not in KLD_MODES:
+            raise SystemExit(f"kld must be one of {KLD_MODES}, got {kld!r}")
         self.top_k = top_k
-        self.ref_ids = ref_ids
-        self.own_topk = ref_ids is None if own_topk is None else own_topk
+        ref = reference if isinstance(reference, Reference) or reference is None else None
+        self.reference = ref
+        self.ref_ids = reference if isinstance(reference, np.ndarray) else (ref.topk_ids if ref is not None else None)
+        self.kld = kld if reference is not None else None
+        if self.kld == "full" and (ref is None or not ref.has_full):
+            raise SystemExit("kld=full needs a reference that stores the whole distribution (full_codes); "
+                             "this one holds only its top-K: recompute the reference (it is keyed by its format)")
+        if self.kld == "topk" and self.ref_ids is None:
+            raise SystemExit("kld=topk needs the reference's top-K ids (topk_ids)")
+        self.own_topk = reference is None if own_topk is None else own_topk
+        self.store_full = store_full
+        self._full_fh: BinaryIO | None = None
+        self.vocab: int | None = None
         self.cursor = 0
         self.parts: dict[str, list[np.ndarray]] = {k: [] for k in (
             "target_logprob", "top1", "topk_ids", "topk_logprobs", "tail_logprob", "at_ref_logprobs",
-            "at_ref_tail")}
+            "at_ref_tail", "kld", "full_lo", "full_step")}
+
+    @classmethod
+    def from_request(cls, req: dict[str, Any]) -> Collector:
+        """The Collector a runner's request asks for (keys ``reference``, ``kld``, ``top_k``, ``own_topk``,
+        ``store_full``; ``ref_topk`` is read as ``reference``)."""
+        path = req.get("reference") or req.get("ref_topk")
+        store = Path(req["out_dir"]) / "full_codes.u16" if req.get("store_full") else None
+        return cls(int(req["top_k"]), Reference(path) if path else None, req.get("own_topk"),
+                   str(req.get("kld") or "full"), store)
 
     def add_window(self, logits: np.ndarray, ids: np.ndarray, start: int) -> None:
         """``logits`` [W, V] for window ids [W]; row i-1 predicts ids[i] for i >= start."""
@@ -112,22 +280,38 @@ class Collector:
 
     def _add(self, rows: np.ndarray, targets: np.ndarray, normalised: bool, pool: Executor | None) -> None:
         n = len(targets)
-        ref = None
-        if self.ref_ids is not None:
-            ref = self.ref_ids[self.cursor:self.cursor + n]
-            if len(ref) != n:
-                raise SystemExit(f"reference has {len(self.ref_ids)} positions, fewer than the window set")
-        jobs = [(rows[b:b + BLOCK], targets[b:b + BLOCK], None if ref is None else ref[b:b + BLOCK], normalised)
-                for b in range(0, n, BLOCK)]
+        if n == 0:
+            return
+        if self.vocab is None:
+            self.vocab = int(rows.shape[1])
+            ref_vocab = self.reference.vocab if self.reference is not None and self.kld == "full" else None
+            if ref_vocab is not None and ref_vocab != self.vocab:
+                raise SystemExit(f"the engine has {self.vocab} logits per position, the reference {ref_vocab}: "
+                                 "not the same vocabulary")
+        end = self.cursor + n
+        if self.reference is not None and self.reference.n and end > self.reference.n:
+            raise SystemExit(f"reference has {self.reference.n} positions, fewer than the window set")
+        if self.ref_ids is not None and end > len(self.ref_ids):
+            raise SystemExit(f"reference has {len(self.ref_ids)} positions, fewer than the window set")
+        step = block_rows(self.vocab)
+        jobs = [(rows[b:b + step], targets[b:b + step], self.cursor + b, normalised) for b in range(0, n, step)]
         outs = pool.map(lambda job: self._block(*job), jobs) if pool is not None and len(jobs) > 1 else \
             [self._block(*job) for job in jobs]
         for out in outs:
+            codes = out.pop("full_codes", None)
+            if codes is not None:
+                self._write_full(codes)
             for key, value in out.items():
                 self.parts[key].append(value)
-        self.cursor += n
+        self.cursor = end
 
-    def _block(self, rows: np.ndarray, targets: np.ndarray, ref: np.ndarray | None,
-               normalised: bool) -> dict[str, np.ndarray]:
+    def _write_full(self, codes: np.ndarray) -> None:
+        assert self.store_full is not None
+        if self._full_fh is None:
+            self._full_fh = self.store_full.open("wb")
+        self._full_fh.write(np.ascontiguousarray(codes, dtype="<u2").tobytes())
+
+    def _block(self, rows: np.ndarray, targets: np.ndarray, pos: int, normalised: bool) -> dict[str, np.ndarray]:
         n = len(targets)
         if normalised:
             # Log-probs keep their precision: rounding normalised float64 log-probs to float32 would break
@@ -136,7 +320,7 @@ class Collector:
             lse = np.zeros(n)
         else:
             x = np.ascontiguousarray(rows, dtype=np.float32)  # engines' logits are float32: that is the truth
-            # exp in float32, accumulated in float64: measured on the demo's logits, the KLD agrees with
+            # exp in float32, accumulated in float64: measured on the demo's logits, the log-probs agree with
             # an all-float64 computation to 2e-16 relative, at half the cost.
             m = x.max(axis=1)
             e = np.subtract(x, m[:, None])
@@ -153,17 +337,33 @@ class Collector:
             out["topk_ids"] = np.take_along_axis(part, order, axis=1).astype(np.int32)
             out["topk_logprobs"] = topk_lp.astype(np.float32)
             out["tail_logprob"] = _log_rest(topk_lp)
-        if ref is not None:
-            at_ref = np.take_along_axis(x, ref, axis=1).astype(np.float64) - lse[:, None]
+        if self.store_full is not None:
+            out["full_codes"], out["full_lo"], out["full_step"] = encode_rows(x)
+        if self.kld == "full":
+            assert self.reference is not None
+            out["kld"] = kld_rows(x, *self.reference.rows(pos, pos + n))
+        elif self.kld == "topk":
+            assert self.ref_ids is not None
+            at_ref = np.take_along_axis(x, self.ref_ids[pos:pos + n], axis=1).astype(np.float64) - lse[:, None]
             out["at_ref_logprobs"] = at_ref.astype(np.float32)
             out["at_ref_tail"] = _log_rest(at_ref)
         return out
 
     def save(self, out_dir: Path) -> int:
+        """Write ``logprobs.npz`` (with the whole stored distribution when ``store_full``); returns the number
+        of positions."""
         # Any: np.savez's stub types **kwds against its allow_pickle: bool too; the keys are the fixed names above.
         arrays: dict[str, Any] = {k: np.concatenate(v) for k, v in self.parts.items() if v}
+        if self.store_full is not None:
+            if self._full_fh is not None:
+                self._full_fh.close()
+            shape = (self.cursor, self.vocab or 0)
+            arrays["full_codes"] = np.memmap(self.store_full, dtype="<u2", mode="r", shape=shape)
         with atomic_path(out_dir / "logprobs.npz") as tmp, tmp.open("wb") as fh:  # a file object: no .npz added
-            np.savez(fh, **arrays)
+            np.savez(fh, **arrays)  # stored, not compressed: full_codes stays memory-mappable
+        if self.store_full is not None:
+            del arrays["full_codes"]
+            self.store_full.unlink(missing_ok=True)
         return self.cursor
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -49,6 +49,10 @@ class EvalSpec(Frozen):
     score_from: int = Field(default=1, ge=1)  # first scored target index per window (see evaluators.windows)
     max_windows: int | None = Field(default=None, ge=1)
     top_k: int = Field(default=32, ge=1, le=1024)
+    #: ``exact``: KL-divergence over the whole vocabulary, as llama-perplexity --kl-divergence (the reference
+    #: stores its whole distribution: 2 bytes per token of the vocabulary per scored position);
+    #: ``topk_lower_bound``: the cheaper top-``top_k`` + tail bound, stored as kld_topk_lower_bound_* only.
+    kld: Literal["exact", "topk_lower_bound"] = "exact"
     reference_dtype: str = "float32"
     reference_device: str = "cpu"
     speed: SpeedSpec = SpeedSpec()

@@ -29,6 +29,55 @@ class EvalResult(BaseModel):
     wall_s: float | None = None
 
 
+#: ``kld_method`` of an exact KL-divergence over the whole vocabulary (evaluators.metrics).
+KLD_EXACT = "full-vocabulary"
+
+
+class KLDValue(BaseModel):
+    """What a quality result says about KL-divergence, and how to label it wherever it is shown.
+
+    ``exact``: ``value`` is the full-vocabulary mean KLD, what ``llama-perplexity --kl-divergence`` reports,
+    and the only kind a ``max_kld`` gate accepts. Otherwise ``value`` is a top-K lower bound (``kind``
+    ``lower_bound``: results in the cheaper mode, and every result stored before exact KLD existed, whose
+    ``kld_mean`` was that bound) or an estimate (``kind`` ``estimate``: vLLM's old top-256 spreading, where
+    ``at_ref_known_fraction`` < 1).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    value: float | None
+    kind: Literal["exact", "lower_bound", "estimate", "missing"]
+    method: str | None = None
+    ci95: tuple[float, float] | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.kind == "exact"
+
+    @property
+    def label(self) -> str:
+        """A short marker for tables: empty for the exact value."""
+        return {"exact": "", "lower_bound": "≥ (top-K lower bound)", "estimate": "~ (estimate)",
+                "missing": ""}[self.kind]
+
+
+def kld_of(metrics: dict[str, Any]) -> KLDValue:
+    """The KLD of a quality result's metrics, with its kind (see :class:`KLDValue`)."""
+    method = metrics.get("kld_method")
+    if method == KLD_EXACT and metrics.get("kld_mean") is not None:
+        lo, hi = metrics.get("kld_ci95_low"), metrics.get("kld_ci95_high")
+        return KLDValue(value=float(metrics["kld_mean"]), kind="exact", method=method,
+                        ci95=(float(lo), float(hi)) if lo is not None and hi is not None else None)
+    if metrics.get("kld_topk_lower_bound_mean") is not None:
+        return KLDValue(value=float(metrics["kld_topk_lower_bound_mean"]), kind="lower_bound", method=method)
+    if metrics.get("kld_mean") is not None:  # stored before exact KLD: a top-K bound, or vLLM's estimate
+        known = metrics.get("at_ref_known_fraction")
+        estimate = isinstance(known, int | float) and known < 1.0
+        return KLDValue(value=float(metrics["kld_mean"]), kind="estimate" if estimate else "lower_bound",
+                        method="top-256 estimate (legacy)" if estimate else "top-K lower bound (legacy)")
+    return KLDValue(value=None, kind="missing")
+
+
 class VariantOutcome(BaseModel):
     variant: str
     format: str

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_engine, score
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, quality_request, run_engine, score
 from pipeline.config import Settings
 from pipeline.plan import EvalSpec
 from pipeline.specs import Engine, QuantFormat
@@ -31,7 +31,7 @@ class EXL2ReferenceEvaluator:
         """Dequantize every layer of the EXL2 folder ``model`` with the codec and score one short window
         (validate's loadability check). Raises EngineError when the folder does not load."""
         cmd = RunnerCommand(engine=self.engine, python=settings.core_python, module=RUNNER)
-        request = {"model": str(model), "windows": str(probe_windows(out_dir.parent)), "ref_topk": None, "top_k": 4,
+        request = {"model": str(model), "windows": str(probe_windows(out_dir.parent)), "top_k": 4,
                    "threads": settings.threads, "dtype": "float32", "device": "cpu", "loader": "exl2"}
         out = run_engine(cmd, request, out_dir, settings, timeout_s=600)
         return {"engine": self.engine.value, "engine_version": f"quantyard exl2 codec; {out.result['engine_version']}",
@@ -41,10 +41,10 @@ class EXL2ReferenceEvaluator:
                  out_dir: Path, settings: Settings) -> EvalOutcome:
         """Dequantize the EXL2 folder ``model`` into transformers (fp32, CPU) and score it on the windows."""
         cmd = RunnerCommand(engine=self.engine, python=settings.core_python, module=RUNNER)
-        request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
+        request = {"model": str(model), "windows": str(windows), **quality_request(reference, spec),
                    "threads": settings.threads, "dtype": "float32", "device": "cpu", "loader": "exl2"}
         out = run_engine(cmd, request, out_dir, settings)
-        quality = score(reference, out, self.engine)
+        quality = score(reference, out, self.engine, windows)
         version = f"quantyard exl2 codec; {out.result['engine_version']}"
         return EvalOutcome(engine=self.engine.value, engine_version=version,
                            hardware=out.result["hardware"], window_set_id=window_set_id, quality=quality,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_engine, score, speed_request
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, quality_request, run_engine, score, speed_request
 from pipeline import exl2_env
 from pipeline.config import Settings
 from pipeline.plan import EvalSpec
@@ -32,7 +32,7 @@ class ExLlamaV2Evaluator:
         """
         rt = exl2_env.require(settings)
         cmd = RunnerCommand(engine=self.engine, python=rt.python, module=RUNNER)
-        request = {"model": str(model), "windows": str(probe_windows(out_dir.parent)), "ref_topk": None, "top_k": 4,
+        request = {"model": str(model), "windows": str(probe_windows(out_dir.parent)), "top_k": 4,
                    "threads": settings.threads, "speed": None}
         out = run_engine(cmd, request, out_dir, settings, timeout_s=600)
         return {"engine": self.engine.value, "engine_version": out.result["engine_version"],
@@ -46,10 +46,10 @@ class ExLlamaV2Evaluator:
         """
         rt = exl2_env.require(settings)
         cmd = RunnerCommand(engine=self.engine, python=rt.python, module=RUNNER)
-        request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
+        request = {"model": str(model), "windows": str(windows), **quality_request(reference, spec),
                    "threads": settings.threads, "speed": speed_request(spec)}
         out = run_engine(cmd, request, out_dir, settings)
-        quality = score(reference, out, self.engine)
+        quality = score(reference, out, self.engine, windows)
         return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
                            hardware=out.result["hardware"], window_set_id=window_set_id, quality=quality,
                            speed=out.result.get("speed"), wall_s=out.wall_s)

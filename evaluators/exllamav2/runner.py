@@ -30,7 +30,6 @@ from evaluators.protocol import (
     Collector,
     Timer,
     hardware,
-    load_ref_ids,
     load_windows,
     read_request,
     stats,
@@ -55,7 +54,7 @@ def _quality(req: dict[str, Any], config: Any, model: Any, out_dir: Path) -> dic
     ids, starts = load_windows(req["windows"])
     window = ids.shape[1]
     cache = ExLlamaV2Cache(model, max_seq_len=window) if window > config.max_input_len else None
-    col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")), req.get("own_topk"))
+    col = Collector.from_request(req)
     with Timer() as t, torch.inference_mode():
         for k in range(ids.shape[0]):
             if cache is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_engine, score, speed_request
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, quality_request, run_engine, score, speed_request
 from pipeline.config import Settings
 from pipeline.llama_cpp import LlamaCppToolchain, llama_cpp_toolchain
 from pipeline.llama_cpp import unavailable_reason as llama_cpp_unavailable
@@ -29,7 +29,7 @@ class LlamaCppEvaluator:
     def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
         """Load the model and run one short window (loadability); returns engine version and timing."""
         windows = probe_windows(out_dir.parent)
-        request = {"model": str(model), "windows": str(windows), "ref_topk": None, "top_k": 4,
+        request = {"model": str(model), "windows": str(windows), "top_k": 4,
                    "threads": settings.threads}
         tools = llama_cpp_toolchain(settings)
         out = run_engine(self._command(settings, tools), request, out_dir, settings, timeout_s=600)
@@ -54,10 +54,10 @@ class LlamaCppEvaluator:
         if speed is not None:
             speed["bin_dir"] = str(tools.bin_dir)
         cmd = self._command(settings, tools)
-        request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
+        request = {"model": str(model), "windows": str(windows), **quality_request(reference, spec),
                    "threads": settings.threads, "speed": speed, "llama_cpp_commit": tools.commit}
         out = run_engine(cmd, request, out_dir, settings)
-        quality = score(reference, out, self.engine)
+        quality = score(reference, out, self.engine, windows)
         return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
                            hardware=out.result["hardware"], window_set_id=window_set_id, quality=quality,
                            speed=out.result.get("speed"), wall_s=out.wall_s)

@@ -22,7 +22,6 @@ from evaluators.protocol import (
     Collector,
     Timer,
     hardware,
-    load_ref_ids,
     load_windows,
     read_request,
     stats,
@@ -104,7 +103,7 @@ def _quality(req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     ids, starts = load_windows(req["windows"])
     n_windows, window = ids.shape
     eng = _Engine(req, n_ctx=window, n_batch=window)
-    col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")), req.get("own_topk"))
+    col = Collector.from_request(req)
     eng.decode(ids[0, :2], 0, 1)  # warm-up (threads, weights paged in), as llama.cpp's tools do before timing
     # Decode a window on all threads, then score its rows on all threads (blocks of rows in parallel, numpy
     # releases the GIL), straight from llama.cpp's buffer. Overlapping the two instead oversubscribes the

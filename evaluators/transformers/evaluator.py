@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_engine, score
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, quality_request, run_engine, score
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.errors import ToolchainMissingError
@@ -44,7 +44,7 @@ class TransformersCheckEvaluator:
     def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
         """Load the folder with transformers in the awq environment and score one short window."""
         env = envs.ensure(ENV, settings)
-        request = {"model": str(model), "windows": str(probe_windows(out_dir.parent)), "ref_topk": None, "top_k": 4,
+        request = {"model": str(model), "windows": str(probe_windows(out_dir.parent)), "top_k": 4,
                    "threads": settings.threads, "dtype": "float32", "device": "cpu", "batch_size": 1}
         cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
                             env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -60,12 +60,12 @@ class TransformersCheckEvaluator:
             EngineError: the runner failed (e.g. this transformers cannot load the layout).
         """
         env = envs.ensure(ENV, settings)
-        request = {"model": str(model), "windows": str(windows), "ref_topk": str(reference), "top_k": spec.top_k,
+        request = {"model": str(model), "windows": str(windows), **quality_request(reference, spec),
                    "threads": settings.threads, "dtype": "float32", "device": "cpu", "batch_size": 4}
         cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
                             env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
         out = run_engine(cmd, request, out_dir, settings)
         return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
                            hardware=out.result["hardware"], window_set_id=window_set_id,
-                           quality=score(reference, out, self.engine), speed=None, wall_s=out.wall_s,
+                           quality=score(reference, out, self.engine, windows), speed=None, wall_s=out.wall_s,
                            environment=env.lineage())

@@ -14,7 +14,6 @@ from evaluators.protocol import (
     Collector,
     Timer,
     hardware,
-    load_ref_ids,
     load_windows,
     read_request,
     write_result,
@@ -44,7 +43,7 @@ def main() -> None:
     torch.set_num_threads(int(req["threads"]))
     model = load_model(req)
     ids, starts = load_windows(req["windows"])
-    col = Collector(int(req["top_k"]), load_ref_ids(req.get("ref_topk")), req.get("own_topk"))
+    col = Collector.from_request(req)
     bs = int(req.get("batch_size", 4))
     device = req.get("device", "cpu")
     with Timer() as t, torch.inference_mode():

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, run_engine, score
+from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, quality_request, run_engine, score
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.cpu import cpu_compute_dtype, cpu_flags
@@ -129,7 +129,7 @@ class VLLMEvaluator:
         longest = max([window] + ([speed["prompt_tokens"] + speed["gen_tokens"],
                                    speed["parallel_prompt_tokens"] + speed["parallel_gen_tokens"]] if speed else []))
         request = {"model": str(model), "windows": str(windows) if quality and windows else None,
-                   "ref_topk": str(reference) if reference else None, "top_k": spec.top_k,
+                   **(quality_request(reference, spec) if reference else {"top_k": spec.top_k}),
                    "threads": settings.threads, "speed": speed, "dtype": dtype, "dtype_reason": reason,
                    "checkpoint_dtype": checkpoint_dtype(model), "wna16_kernel": settings.vllm_cpu_wna16,
                    "max_model_len": longest + 8, "max_num_seqs": max([8, *spec.speed.parallel]),
@@ -161,7 +161,7 @@ class VLLMEvaluator:
             EnvironmentBuildError / ToolchainMissingError: the vllm environment is not usable.
         """
         out, env = self._run(model, windows, reference, spec, out_dir, settings)
-        quality = score(reference, out, self.engine)
+        quality = score(reference, out, self.engine, windows)
         return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],
                            hardware=out.result["hardware"], window_set_id=window_set_id, quality=quality,
                            speed=out.result.get("speed"), wall_s=out.wall_s, environment=env.lineage())
