@@ -337,7 +337,7 @@ def _evaluate_body(ctx: StageContext) -> tuple[EvaluateOutputs, Who]:
         reason = get_evaluator(engine).skip_reason(version.spec)
         if reason:
             return EvaluateOutputs(ref=ref, engine=engine, skipped=reason), who
-    if steps.has_quality_result(version, engine, str(ws.meta["id"])):
+    if steps.has_quality_result(version, engine, str(ws.meta["id"]), reference_key(str(ws.meta["id"]), req.plan.eval)):
         return EvaluateOutputs(ref=ref, engine=engine, fallback=fallback, events=["reuse_result"]), who
     windows = ctx.reg.local_blob(ws.sha256, ws.size)
     reference = ctx.reg.local_blob(rf.sha256, rf.size)

@@ -308,9 +308,11 @@ def sweep_stale(settings: Settings) -> list[Path]:
     return removed
 
 
-def has_quality_result(version: VersionView, engine: str, window_set_id: str) -> bool:
+def has_quality_result(version: VersionView, engine: str, window_set_id: str, ref_key: str) -> bool:
+    """Whether ``version`` has a successful quality result of ``engine`` on this window set against this
+    reference (its key covers the reference's engine, dtype and storage, so the KLD mode too)."""
     return any(r.kind == "quality" and r.status == "ok" and r.engine == engine and r.window_set_id == window_set_id
-               for r in version.results)
+               and r.metrics.get("reference_key") == ref_key for r in version.results)
 
 
 def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_meta: dict[str, Any],
@@ -338,6 +340,8 @@ def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_m
                                  "window_set_id": ws_meta["id"], "error": _error_text(exc)})
             raise
     outcome.fallback = outcome.fallback or fallback
+    if outcome.quality is not None:  # which reference the numbers are against: reuse and compare check it
+        outcome.quality["reference_key"] = reference_key(str(ws_meta["id"]), spec)
     for record in outcome.records():
         reg.add_result(version.ref, record)
     return outcome
