@@ -35,7 +35,8 @@ from pipeline.errors import NotFoundError, StageError
 from pipeline.formats import format_info
 from pipeline.plan import Plan
 from pipeline.recipe import Placement
-from pipeline.results import ConvertReport, VariantOutcome, table_rows
+from pipeline.results import ConvertReport, CrossCheck, VariantOutcome
+from pipeline.shown import table_rows
 from pipeline.specs import Frozen, SourceRef
 from registry.store import Registry
 
@@ -395,7 +396,19 @@ def _variant(spec: Any, graph: Graph, outcomes: dict[str, StageOutcome], report:
             _own_engine(out, evaluation, version, report)
         elif evaluation.status == "failed":
             out.eval_error = f"cross-check on {engine}: {evaluation.error}"
+        else:
+            _cross_check(out, engine, version, report)
     return out
+
+
+def _cross_check(out: VariantOutcome, engine: str, version: Any, report: ConvertReport) -> None:
+    """A cross-check engine's quality result on this run's window set: a second figure of the variant."""
+    ws_id = str((report.window_set or {}).get("id", ""))
+    found = [r for r in version.results if r.status == "ok" and r.engine == engine and r.kind == "quality"
+             and r.window_set_id == ws_id]
+    if found:
+        out.cross_checks.append(CrossCheck(engine=engine, engine_version=found[-1].engine_version,
+                                           window_set_id=ws_id, quality=found[-1].metrics))
 
 
 def _own_engine(out: VariantOutcome, evaluation: StageOutcome, version: Any, report: ConvertReport) -> None:
@@ -409,9 +422,9 @@ def _own_engine(out: VariantOutcome, evaluation: StageOutcome, version: Any, rep
     ws_id = str((report.window_set or {}).get("id", ""))
     for r in version.results:
         if r.status == "ok" and r.engine == engine and r.kind == "quality" and r.window_set_id == ws_id:
-            out.quality, out.engine_version = r.metrics, r.engine_version
+            out.quality, out.engine_version, out.window_set_id = r.metrics, r.engine_version, ws_id
         elif r.status == "ok" and r.engine == engine and r.kind == "speed":
-            out.speed = r.metrics
+            out.speed, out.speed_engine = r.metrics, engine
     reused = evaluation.status == "reused" or "reuse_result" in evaluated.events
     out.eval_status = "skipped" if evaluated.skipped else "reused" if reused else "ok"
     out.eval_error = evaluated.skipped or None

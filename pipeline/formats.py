@@ -55,6 +55,7 @@ class FormatInfo:
     converter: str  # "module:Class" of its Converter (imported only when used)
     engine: Engine  # evaluates it by default
     fallback_engine: Engine | None = None  # stands in, labelled, where the engine cannot run here
+    fallback_note: str = ""  # what the stand-in is, for the legend of every table that shows its numbers
     cross_check_engine: Engine | None = None  # a second, independent engine run on the same files
     pool: Pool = "gpu"  # where its conversion runs in a distributed run, unless the recipe says otherwise
     tool_envs: tuple[str, ...] = ()  # managed tool environments (pipeline/envs.py) its converter runs
@@ -84,12 +85,16 @@ FORMATS: dict[QuantFormat, FormatInfo] = {
     QuantFormat.AWQ: FormatInfo(
         format=QuantFormat.AWQ, label="AWQ", spec=AWQSpec, converter="converters.awq.converter:AWQConverter",
         engine=Engine.VLLM, fallback_engine=Engine.TRANSFORMERS, cross_check_engine=Engine.TRANSFORMERS,
+        fallback_note="the AWQ folder decompressed by transformers (compressed-tensors) in fp32, not vLLM's "
+                      "kernels; quality only, no speed",
         pool="gpu", tool_envs=("awq", "autoawq"), quant_methods=("awq", "compressed-tensors"), colour="#d62728",
         library_name="transformers", launcher=Launcher("vLLM", "vllm serve {dest} --served-model-name {variant}"),
         hub=HubLayout(one_variant_per_repo=True)),
     QuantFormat.EXL2: FormatInfo(
         format=QuantFormat.EXL2, label="EXL2", spec=EXL2Spec, converter="converters.exl2.converter:EXL2Converter",
         engine=Engine.EXLLAMAV2, fallback_engine=Engine.EXL2_REFERENCE, pool="gpu", tool_envs=("exl2",),
+        fallback_note="dequantized EXL2 weights in fp32 transformers, not ExLlamaV2's kernels; quality only, "
+                      "no speed",
         quant_methods=("exl2",), colour="#2ca02c", library_name="exllamav2",
         launcher=Launcher("TabbyAPI (ExLlamaV2), from its checkout",
                           "python main.py --model-dir . --model-name {dest}"),

@@ -23,15 +23,44 @@ COLUMNS = [("variant", "variant"), ("size_mb", "size MB"), ("bpw", "bpw"), ("ppl
 
 
 def results_table(title: str, rows: list[dict[str, Any]], extra_caption: str | None = None) -> Table:
-    table = Table(title=title, caption=extra_caption, header_style="bold")
+    """The human results table of :func:`pipeline.shown.table_rows` rows: numbers rounded for reading, every
+    number that is not what its header says marked (``≥…†`` a KLD bound, ``*`` a stand-in engine, ``§`` a
+    dense-matmul kernel, ``×`` a cross-check row), the legend of the marks used and, when the quality
+    figures come from more than one window set or reference, a note naming them in the caption."""
+    from pipeline.shown import eval_sets_note, legend, row_figures
+
+    lines = [extra_caption] if extra_caption else []
+    note = eval_sets_note(row_figures(rows))
+    lines += [f"note: {note}"] if note else []
+    lines += [m.line for m in legend(k for r in rows for k in r.get("marks") or [])]
+    table = Table(title=title, caption="\n".join(lines) or None, caption_justify="left", header_style="bold")
     for key, label in COLUMNS:
         table.add_column(label, justify="left" if key in ("variant", "engine", "status") else "right")
     for row in rows:
-        table.add_row(*[_fmt(row.get(k)) for k, _ in COLUMNS])
+        table.add_row(*_cells(row))
+        for check in row.get("cross_checks") or []:
+            table.add_row(*_cells({**check, "format": row.get("format"), "variant": f"  └ {check['role']}",
+                                   "status": check["role"]},
+                                  role=check["role"]))
     return table
 
 
-def _fmt(value: Any) -> str:
+def _cells(row: dict[str, Any], role: str | None = None) -> list[str]:
+    from pipeline.shown import engine_mark, kld_text, shown_kld
+
+    cells = {k: fmt_number(row.get(k)) for k, _ in COLUMNS}
+    cells["kld"] = kld_text(shown_kld(row), fmt_number) or "—"
+    fmt = str(row.get("format") or "")
+    mark = engine_mark(fmt, row.get("engine") or None, role or row.get("engine_role") or "engine")
+    if mark is not None:
+        cells["engine"] += mark.symbol
+    if row.get("speed_kernel"):
+        for k in ("pp_tok_s", "tg_tok_s"):
+            cells[k] += "§" if row.get(k) is not None else ""
+    return [cells[k] for k, _ in COLUMNS]
+
+
+def fmt_number(value: Any) -> str:
     if value is None:
         return "—"
     if isinstance(value, float):

@@ -69,13 +69,25 @@ def kld_of(metrics: dict[str, Any]) -> KLDValue:
         return KLDValue(value=float(metrics["kld_mean"]), kind="exact", method=method,
                         ci95=(float(lo), float(hi)) if lo is not None and hi is not None else None)
     if metrics.get("kld_topk_lower_bound_mean") is not None:
-        return KLDValue(value=float(metrics["kld_topk_lower_bound_mean"]), kind="lower_bound", method=method)
+        lo, hi = metrics.get("kld_topk_lower_bound_ci95_low"), metrics.get("kld_topk_lower_bound_ci95_high")
+        return KLDValue(value=float(metrics["kld_topk_lower_bound_mean"]), kind="lower_bound", method=method,
+                        ci95=(float(lo), float(hi)) if lo is not None and hi is not None else None)
     if metrics.get("kld_mean") is not None:  # stored before exact KLD: a top-K bound, or vLLM's estimate
         known = metrics.get("at_ref_known_fraction")
         estimate = isinstance(known, int | float) and known < 1.0
         return KLDValue(value=float(metrics["kld_mean"]), kind="estimate" if estimate else "lower_bound",
                         method="top-256 estimate (legacy)" if estimate else "top-K lower bound (legacy)")
     return KLDValue(value=None, kind="missing")
+
+
+class CrossCheck(BaseModel):
+    """A second engine's quality result on the same files (the format's ``cross_check_engine``, or a stand-in
+    beside the engine's own): shown as a second, labelled figure, never in place of the engine's."""
+
+    engine: str
+    engine_version: str | None = None
+    window_set_id: str | None = None
+    quality: dict[str, Any] = Field(default_factory=dict)
 
 
 class VariantOutcome(BaseModel):
@@ -93,6 +105,9 @@ class VariantOutcome(BaseModel):
     speed: dict[str, Any] | None = None
     engine: str | None = None
     engine_version: str | None = None
+    window_set_id: str | None = None  # of ``quality``
+    speed_engine: str | None = None  # of ``speed``, when it differs from ``engine``
+    cross_checks: list[CrossCheck] = Field(default_factory=list)
     eval_status: str | None = None  # ok | failed | skipped | reused
     eval_error: str | None = None
 
@@ -116,31 +131,3 @@ class ConvertReport(BaseModel):
     @property
     def ok(self) -> bool:
         return all(v.status != "failed" for v in self.variants)
-
-
-def table_rows(variants: list[VariantOutcome]) -> list[dict[str, Any]]:
-    """The results table (CLI, Prefect artifact, compare): one row per variant."""
-    rows = []
-    for v in variants:
-        q, s = v.quality or {}, v.speed or {}
-        rows.append({
-            "variant": v.variant, "ref": v.ref or "", "size_mb": _r(v.size / 1e6 if v.size else None, 2),
-            "bpw": _r(v.bpw, 3), "ppl": _r(q.get("ppl"), 4), "delta_ppl_pct": _r(q.get("delta_ppl_pct"), 3),
-            "kld": _r(q.get("kld_mean"), 6), "top1_pct": _r(100 * q["top1_agreement"], 2)
-            if "top1_agreement" in q else None,
-            "pp_tok_s": _r(_median(s.get("prompt_tok_per_s")), 1),
-            "tg_tok_s": _r(_median(s.get("decode_tok_per_s")), 1),
-            "engine": v.engine or "", "status": v.status if v.eval_status in (None, "ok", "reused")
-            else f"{v.status}, eval {v.eval_status}",
-        })
-    return rows
-
-
-def _median(x: Any) -> float | None:
-    if isinstance(x, dict):
-        return x.get("median")
-    return x if isinstance(x, int | float) else None
-
-
-def _r(x: float | None, nd: int) -> float | None:
-    return None if x is None else round(float(x), nd)

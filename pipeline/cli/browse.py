@@ -51,22 +51,69 @@ def show(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION]")], re
          as_json: JsonOpt = False) -> None:
     """Show one version: files, lineage and results."""
     from pipeline.render import console, print_json
+    from pipeline.shown import legend, pick
     from registry import open_registry
 
     view = open_registry(settings(registry)).get_version(ref)
     if as_json:
-        print_json({**view.model_dump(mode="json"), "ref": view.ref})
+        print_json(show_json(view))
         return
     console.print(f"[bold]{view.ref}[/]  {view.format}  state={view.state}  created {view.created_at[:19]}")
     console.print(f"source: {view.source['identity']}")
     for f in view.files:
         console.print(f"  {f.name}  {f.size:,} B  sha256:{f.sha256}")
+    picked = pick(view.format, view.results)
+    marks: list[str] = []
     for r in view.results:
-        summary = {k: v for k, v in r.metrics.items() if k in ("ppl", "delta_ppl_pct", "kld_mean", "top1_agreement")}
-        console.print(f"  result {r.kind} on {r.engine} ({r.engine_version}): {r.status} {summary or ''}")
-        for line in computed_as(r.metrics):
-            console.print(f"    [yellow]{line}[/]")
+        line, keys = result_line(view.format, r, shown=r is picked.quality or r is picked.speed)
+        marks += keys
+        console.print(f"  {line}", markup=False)
+        for note in computed_as(r.metrics):
+            console.print(f"    [yellow]{note}[/]")
+    for m in legend(marks):
+        console.print(f"  {m.line}", markup=False)
     console.print_json(data=view.lineage)
+
+
+def show_json(view: Any) -> dict[str, Any]:
+    """``show --json``: the version as stored (full precision), each quality result with its ``kld_kind``
+    and every result with its ``role`` to the format (pipeline.shown.role_of)."""
+    from pipeline.results import kld_of
+    from pipeline.shown import pick, role_of, second_role
+
+    picked = pick(view.format, view.results)
+    shown = {id(r) for r in (picked.quality, picked.speed) if r is not None}
+    data = {**view.model_dump(mode="json"), "ref": view.ref}
+    for r, out in zip(view.results, data["results"], strict=True):
+        out["role"] = role_of(view.format, r.engine) if id(r) in shown else second_role(view.format, r.engine)
+        if r.kind == "quality":
+            out["kld_kind"] = kld_of(r.metrics).kind
+    return data
+
+
+def result_line(fmt: str, r: Any, shown: bool) -> tuple[str, list[str]]:
+    """One result of ``show``, its numbers marked (pipeline.shown), and the mark keys it used."""
+    from pipeline.render import fmt_number
+    from pipeline.results import kld_of
+    from pipeline.shown import DENSE_KERNEL, dense_kernel, engine_mark, kld_mark, kld_text, median, role_of, second_role
+
+    role = role_of(fmt, r.engine) if shown else second_role(fmt, r.engine)
+    mark = engine_mark(fmt, r.engine, role)
+    head = f"result {r.kind} on {r.engine}{mark.symbol if mark else ''} ({r.engine_version}): {r.status}"
+    keys = [mark.key] if mark else []
+    m, parts = r.metrics, []
+    if r.status == "ok" and r.kind == "quality":
+        k = kld_of(m)
+        parts = [f"PPL {fmt_number(m.get('ppl'))}", f"ΔPPL {fmt_number(m.get('delta_ppl_pct'))} %",
+                 f"KLD {kld_text(k, fmt_number) or '—'}", f"top-1 {fmt_number(100 * m['top1_agreement'])} %"
+                 if isinstance(m.get("top1_agreement"), int | float) else "top-1 —"]
+        keys += [km.key] if (km := kld_mark(k)) else []
+    elif r.status == "ok" and r.kind == "speed":
+        dense = "§" if dense_kernel(m) else ""
+        parts = [f"pp {fmt_number(median(m.get('prompt_tok_per_s')))}{dense} tok/s",
+                 f"tg {fmt_number(median(m.get('decode_tok_per_s')))}{dense} tok/s"]
+        keys += [DENSE_KERNEL.key] if dense else []
+    return head + ("  " + " · ".join(parts) if parts else ""), keys
 
 
 def computed_as(metrics: dict[str, Any]) -> list[str]:
@@ -80,6 +127,8 @@ def computed_as(metrics: dict[str, Any]) -> list[str]:
         lines.append(f"4-bit kernel: {metrics['wna16_kernel']}")
     if metrics.get("fallback"):
         lines.append(f"stand-in: {metrics['fallback']}")
+    if metrics.get("kld_method"):
+        lines.append(f"KLD: {metrics['kld_method']}")
     return lines
 
 
@@ -87,29 +136,42 @@ def computed_as(metrics: dict[str, Any]) -> list[str]:
 def compare(model: str, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
     """Results table of the latest version of every variant of MODEL."""
     from pipeline.render import console, print_json, results_table
-    from pipeline.results import VariantOutcome, table_rows
+    from pipeline.shown import table_rows
     from registry import open_registry
 
     reg = open_registry(settings(registry))
-    outcomes = []
-    for view in reg.latest_versions(model):
-        out = VariantOutcome(variant=view.variant, format=view.format, ref=view.ref, status=view.state,
-                             size=view.size, bpw=(view.lineage.get("info") or {}).get("bpw"))
-        for r in view.results:
-            if r.status != "ok":
-                out.eval_status, out.eval_error = r.status, r.error
-                continue
-            out.engine, out.engine_version, out.eval_status = r.engine, r.engine_version, "ok"
-            if r.kind == "quality":
-                out.quality = r.metrics
-            elif r.kind == "speed":
-                out.speed = r.metrics
-        outcomes.append(out)
-    rows = table_rows(outcomes)
+    rows = table_rows([outcome_of(view) for view in reg.latest_versions(model)])
     if as_json:
         print_json(rows)
         return
     console.print(results_table(model, rows))
+
+
+def outcome_of(view: Any) -> Any:
+    """A registered version as a results-table row: the format's own engine's results first, a stand-in's
+    or another engine's only when it has none (pipeline.shown.pick), the others as cross-checks."""
+    from pipeline.results import CrossCheck, VariantOutcome
+    from pipeline.shown import pick
+
+    out = VariantOutcome(variant=view.variant, format=view.format, ref=view.ref, status=view.state,
+                         size=view.size, bpw=(view.lineage.get("info") or {}).get("bpw"))
+    picked = pick(view.format, view.results)
+    q, s = picked.quality, picked.speed
+    if q is not None:
+        out.quality, out.engine, out.engine_version, out.window_set_id = \
+            q.metrics, q.engine, q.engine_version, q.window_set_id
+    if s is not None:
+        out.speed, out.speed_engine = s.metrics, s.engine
+        if q is None:
+            out.engine, out.engine_version = s.engine, s.engine_version
+    out.cross_checks = [CrossCheck(engine=r.engine, engine_version=r.engine_version, window_set_id=r.window_set_id,
+                                   quality=r.metrics) for _, r in picked.others]
+    failed = [r for r in view.results if r.status != "ok"]
+    if q is not None or s is not None:
+        out.eval_status = "ok"
+    elif failed:
+        out.eval_status, out.eval_error = failed[-1].status, failed[-1].error
+    return out
 
 
 @handle_errors

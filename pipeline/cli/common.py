@@ -140,7 +140,7 @@ def flag_groups(order: Sequence[str]) -> Callable[[F], F]:
 
 def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
     from pipeline.render import console, print_json, progress, results_table
-    from pipeline.results import table_rows
+    from pipeline.shown import table_rows
 
     prefect_defaults()
     from flows.quantize import convert_flow
@@ -191,7 +191,7 @@ def recipe_plans(path: Path, source: str | None = None) -> tuple[Any, list[Any]]
 def print_runs(runs: list[Any], as_json: bool, stages: bool = False) -> None:
     """Results and policy verdicts of recipe runs; exit 3 if a build or evaluation failed or a verdict did."""
     from pipeline.render import console, print_json, results_table
-    from pipeline.results import table_rows
+    from pipeline.shown import table_rows
 
     if as_json:
         print_json([r.model_dump(mode="json") for r in runs])
