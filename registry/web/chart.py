@@ -2,6 +2,11 @@
 
 y is KLD against the reference (log scale) when any variant has it, else PPL (linear). One marker per
 variant, coloured by format; the Pareto front (no other variant is both smaller and better) is a line.
+
+Only comparable points make the front: engine-measured ones (a stand-in, pipeline.shown.role_of, is drawn
+as a hollow diamond and left off it) and, on the KLD axis, KLDs of one kind (exact when any variant has
+one; a top-K lower bound or an estimate is drawn hollow and left off a front of exact values). The
+caption's notes say what was left off and why.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class Point:
     ref: str
     title: str
     on_front: bool
+    shape: str = "circle"  # circle: engine-measured; diamond: a stand-in engine
+    hollow: bool = False  # not comparable with the front's points (a stand-in, a KLD of another kind)
+    kind: str = "engine"  # the row's engine role
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class Chart:
     y_ticks: list[Tick] = field(default_factory=list)
     legend: list[tuple[str, str]] = field(default_factory=list)  # (format, colour)
     not_plotted: list[tuple[str, str]] = field(default_factory=list)  # (variant, reason)
+    notes: list[str] = field(default_factory=list)  # what is not on the front, and why
+    has_stand_ins: bool = False
     labels: bool = True
     left: int = LEFT
     top: int = TOP
@@ -107,13 +117,13 @@ def _fmt(v: float, log: bool) -> str:
 
 def build_chart(rows: Sequence[Row]) -> Chart | None:
     """Lay out the chart, or None when no variant has a size and a quality figure."""
-    metric = "kld" if any(r.kld is not None for r in rows) else "ppl"
-    plotted = [r for r in rows if getattr(r, metric) is not None and r.size]
+    metric = "kld" if any(r.kld_shown.value is not None for r in rows) else "ppl"
+    plotted = [r for r in rows if r.value(metric) is not None and r.size]
     if not plotted:
         return None
     log = metric == "kld"
-    floor = min((r.kld for r in plotted if r.kld and r.kld > 0), default=1e-6) / 2 if log else 0.0
-    values = [max(float(getattr(r, metric)), floor) if log else float(getattr(r, metric)) for r in plotted]
+    floor = min((float(r.value("kld")) for r in plotted if r.value("kld") > 0), default=1e-6) / 2 if log else 0.0
+    values = [max(float(r.value(metric)), floor) if log else float(r.value(metric)) for r in plotted]
     div, unit = size_unit(max(float(r.size or 0) for r in plotted))
     sizes = [float(r.size or 0) / div for r in plotted]
     x0, x1, xt = _linear_ticks(0.0, max(sizes) * 1.05)
@@ -129,11 +139,15 @@ def build_chart(rows: Sequence[Row]) -> Chart | None:
         return chart.top + (1 - frac) * chart.plot_h
 
     colours = format_colours([r.format for r in rows])
-    front = set(pareto_front(list(zip(sizes, values, strict=True))))
+    eligible, chart.notes = front_basis(plotted, metric)
+    basis = [i for i, r in enumerate(plotted) if id(r) in eligible]
+    front = {basis[j] for j in pareto_front([(sizes[i], values[i]) for i in basis])}
     for i, r in enumerate(plotted):
-        title = f"{r.ref} · {r.format} {r.quant} · {sizes[i]:.3g} {unit} · {chart.y_label.split(' ')[0]} " \
-                f"{getattr(r, metric):.4g}" + (f" · {r.engine}" if r.engine else "")
-        chart.points.append(Point(px(sizes[i]), py(values[i]), colours[r.format], r.variant, r.ref, title, i in front))
+        chart.points.append(Point(px(sizes[i]), py(values[i]), colours[r.format], r.variant, r.ref,
+                                  _title(r, metric, f"{sizes[i]:.3g} {unit}", chart.y_label), i in front,
+                                  shape="diamond" if r.engine_role == "stand-in" else "circle",
+                                  hollow=id(r) not in eligible, kind=r.engine_role))
+    chart.has_stand_ins = any(p.shape == "diamond" for p in chart.points)
     chart.labels = len(chart.points) <= MAX_LABELS
     chart.front = sorted((p.x, p.y) for p in chart.points if p.on_front)
     chart.x_ticks = [Tick(px(t), _fmt(t, False)) for t in xt]
@@ -142,3 +156,30 @@ def build_chart(rows: Sequence[Row]) -> Chart | None:
     shown = {id(r) for r in plotted}
     chart.not_plotted = [(r.variant, r.reason(metric) or "no size") for r in rows if id(r) not in shown]
     return chart
+
+
+def _title(r: Row, metric: str, size: str, y_label: str) -> str:
+    kind = r.kld_shown.kind if metric == "kld" else "exact"
+    prefix = {"lower_bound": "≥", "estimate": "≈"}.get(kind, "")
+    return f"{r.ref} · {r.format} {r.quant} · {size} · {y_label.split(' ')[0]} {prefix}{r.value(metric):.4g}" + \
+        (f" · {r.engine}" if r.engine else "") + (f" ({r.engine_role})" if r.engine_role != "engine" else "")
+
+
+def front_basis(plotted: Sequence[Row], metric: str) -> tuple[set[int], list[str]]:
+    """The ids of the rows a Pareto front may hold, and a note for each kind of row left off it."""
+    engine = [r for r in plotted if r.engine_role != "stand-in"]
+    notes = []
+    if len(engine) < len(plotted):
+        stand_ins = sorted({r.engine or "" for r in plotted if r.engine_role == "stand-in"})
+        notes.append(f"hollow diamonds: stand-in engines ({', '.join(stand_ins)}), not the formats' own; "
+                     "not on the Pareto front, which holds engine-measured points only")
+    if metric == "kld":
+        kinds = [r.kld_shown.kind for r in engine]
+        kind = next((k for k in ("exact", "lower_bound", "estimate") if k in kinds), "exact")
+        off = [r for r in engine if r.kld_shown.kind != kind]
+        engine = [r for r in engine if r.kld_shown.kind == kind]
+        if off:
+            what = {"exact": "exact", "lower_bound": "lower-bound", "estimate": "estimated"}[kind]
+            notes.append(f"hollow circles: a KLD of another kind than the front's ({what}) — a top-K lower bound "
+                         f"(≥) or an estimate (≈); not on the front: {', '.join(r.variant for r in off)}")
+    return {id(r) for r in engine}, notes

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from html import escape
 from urllib.parse import quote
 
 from markupsafe import Markup
 
-from registry.web.table import METRICS, QUALITY_KEYS, SPEED_KEYS, Row
+from pipeline.shown import (
+    DENSE_KERNEL,
+    Mark,
+    engine_mark,
+    eval_sets_note,
+    kld_mark,
+    kld_text,
+    legend,
+    row_figures,
+    shown_kld,
+)
+from registry.web.table import METRICS, QUALITY_KEYS, SPEED_KEYS, Row, SecondFigure
 
 
 def human_size(n: int | None) -> str:
@@ -67,14 +79,80 @@ def metric_cells_html(row: Row) -> Markup:
 
 
 def metric_cells(row: Row) -> list[Cell]:
-    """The metric cells of a row, in :data:`METRICS` order; a missing figure says why."""
+    """The metric cells of a row, in :data:`METRICS` order; a missing figure says why, a figure that is not
+    what its header alone says carries its marker (pipeline.shown) and says why in its tooltip."""
     out = []
     for key in METRICS:
-        v = getattr(row, key)
+        v = row.value(key)
         if v is not None:
-            title = f"± {row.ppl_se:.3f} (s.e.)" if key == "ppl" and row.ppl_se else None
-            out.append(Cell(f"n m-{key}", repr(v), number(v, key), title))
+            text, title, extra = _shown(row, key, v)
+            out.append(Cell(f"n m-{key}{extra}", repr(v), text, title))
             continue
         err = row.quality_error if key in QUALITY_KEYS else row.speed_error if key in SPEED_KEYS else None
         out.append(Cell(f"n m-{key} missing", "", row.reason(key) or "", err[:500] if err else None))
     return out
+
+
+def cell_text(row: Row, key: str) -> str:
+    """A metric's text as a cell shows it, marker included ("" when missing)."""
+    v = row.value(key)
+    return "" if v is None else _shown(row, key, v)[0]
+
+
+def _shown(row: Row, key: str, v: float) -> tuple[str, str | None, str]:
+    """A present figure's text, tooltip and extra CSS classes."""
+    if key == "kld":
+        k = row.kld_shown
+        mark = kld_mark(k)
+        ci = f"95 % CI {number(row.kld_ci95_low, 'kld')}–{number(row.kld_ci95_high, 'kld')}" \
+            if row.kld_ci95_low is not None and row.kld_ci95_high is not None else None
+        title = "; ".join(t for t in (mark.line if mark else None, k.method, ci) if t) or None
+        return kld_text(k, lambda x: number(x, "kld")), title, f" kld-{k.kind}" + (" marked" if mark else "")
+    if key in SPEED_KEYS and row.speed_kernel:
+        return number(v, key) + DENSE_KERNEL.symbol, f"{DENSE_KERNEL.line} ({row.speed_kernel})", " marked"
+    if key in ("ppl", "delta_ppl_pct"):
+        lo, hi = getattr(row, f"{key}_ci95_low"), getattr(row, f"{key}_ci95_high")
+        if lo is not None and hi is not None:
+            return number(v, key), f"95 % CI {number(lo, key)} to {number(hi, key)}", ""
+        if key == "ppl" and row.ppl_se:
+            return number(v, key), f"± {row.ppl_se:.3f} (s.e.)", ""
+    return number(v, key), None, ""
+
+
+def engine_html(row: Row) -> Markup:
+    """The engine cell's content: the engine with its marker (a stand-in ``*``), its version, the speed's
+    engine when another one, and each cross-check's figures on a line of its own. Escaped."""
+    mark = engine_mark(row.format, row.engine, row.engine_role)
+    parts = []
+    if row.engine:
+        sym = f'<span class="mark" title="{escape(mark.line)}">{escape(mark.symbol)}</span>' if mark else ""
+        parts.append(f'<span class="engine role-{escape(row.engine_role)}">{escape(row.engine)}</span>{sym}')
+        if row.engine_version:
+            parts.append(f' <span class="muted engine-version">{escape(row.engine_version)}</span>')
+        if row.speed_engine and row.speed_engine != row.engine:
+            parts.append(f" / {escape(row.speed_engine)}")
+    for c in row.cross_checks:
+        parts.append(second_html(row.format, c))
+    return Markup("".join(parts))  # assembled from escaped parts above
+
+
+def second_html(fmt: str, c: SecondFigure) -> str:
+    """A second figure (a cross-check, or a stand-in beside the engine) as one labelled line."""
+    mark = engine_mark(fmt, c.engine, c.role)
+    k = shown_kld(c)
+    figures = [f"PPL {number(c.ppl, 'ppl')}" if c.ppl is not None else None,
+               f"KLD {kld_text(k, lambda x: number(x, 'kld'))}" if k.value is not None else None,
+               f"top-1 {number(c.top1_pct)} %" if c.top1_pct is not None else None]
+    text = f"{mark.symbol if mark else ''} {c.role} on {c.engine}: " + " · ".join(f for f in figures if f)
+    title = mark.line if mark else c.role
+    return f'<div class="second role-{escape(c.role)}" title="{escape(title)}">{escape(text.strip())}</div>'
+
+
+def page_marks(rows: Iterable[Row]) -> list[Mark]:
+    """The legend of a page: the marks its rows use."""
+    return legend(k for r in rows for k in r.marks)
+
+
+def sets_note(rows: Iterable[Row]) -> str | None:
+    """A note naming the window sets / references when a page's quality figures come from more than one."""
+    return eval_sets_note(row_figures(r.model_dump() for r in rows))

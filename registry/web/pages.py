@@ -10,6 +10,8 @@ from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from pipeline.errors import InvalidReferenceError
+from pipeline.shown import engine_mark, role_of, second_role
+from pipeline.shown import pick as pick_results
 from pipeline.specs import Ref
 from registry.store import Registry
 from registry.views import ArtifactView, VersionView
@@ -17,7 +19,8 @@ from registry.web.api import registry_of
 from registry.web.cache import ResponseCache
 from registry.web.chart import build_chart, format_colours
 from registry.web.commands import commands, download_path
-from registry.web.table import METRICS, Row, row_from_summary, row_from_version, sort_rows
+from registry.web.format import page_marks, sets_note
+from registry.web.table import METRICS, QUALITY_KEYS, Row, row_from_summary, row_from_version, sort_rows
 
 router = APIRouter(include_in_schema=False)
 Reg = Annotated[Registry, Depends(registry_of)]
@@ -72,7 +75,8 @@ def _model_page(request: Request, reg: Registry, model: str, sort: str | None, d
     sources = {s.source.get("identity"): s.source for s in summaries if s.source}
     window_sets = sorted({r.window_set_id for r in rows if r.window_set_id})
     return render(request, "model.html", model=model, rows=rows, chart=build_chart(rows), metrics=METRICS,
-                  sources=list(sources.values()), window_sets=window_sets, sort=sort, dir=dir,
+                  sources=list(sources.values()), window_sets=window_sets, sets_note=sets_note(rows),
+                  marks=page_marks(rows), sort=sort, dir=dir,
                   format=format or "", formats=sorted({r.format for r in all_rows}),
                   colours=format_colours([r.format for r in all_rows]),
                   architecture=next((m.architecture for m in reg.list_models(query=model) if m.name == model), None))
@@ -104,11 +108,12 @@ def _version_page(request: Request, reg: Registry, ref: str) -> HTMLResponse:
     rows = [row_from_version(v, {a: v.number for a in by_version.get(v.number, [])}) for v in reversed(history)]
     used = {r.window_set_id for r in view.results if r.window_set_id}
     evals = {ws: arts for ws, arts in _eval_artifacts(reg, [view]).items() if ws in used}
+    row = row_from_version(view, {a: view.number for a in by_version.get(view.number, [])})
     return render(request, "version.html", view=view, lineage=reg.lineage(view.ref), history=rows,
+                  marks=page_marks([row, *rows]), roles=result_roles(view),
                   aliases=aliases, evals=evals, commands=commands(view, str(request.base_url)),
                   files=[(f, download_path(view.ref, f.name)) for f in view.files],
-                  row=row_from_version(view, {a: view.number for a in by_version.get(view.number, [])}),
-                  requested=ref, metrics=METRICS)
+                  row=row, requested=ref, metrics=METRICS)
 
 
 @router.get("/api", response_class=HTMLResponse)
@@ -133,14 +138,31 @@ def _compare_page(request: Request, reg: Registry, ref: list[str] | None) -> HTM
     for text in refs:
         view = reg.get_version(Ref.parse(text))
         rows.append(row_from_version(view))
-    best = {key: _best(rows, key, lower) for key, (_, lower) in METRICS.items()}
-    return render(request, "compare.html", rows=rows, metrics=METRICS, best=best,
-                  window_sets=sorted({r.window_set_id for r in rows if r.window_set_id}))
+    note = sets_note(rows)
+    best = {key: _best(rows, key, lower, note is not None) for key, (_, lower) in METRICS.items()}
+    return render(request, "compare.html", rows=rows, metrics=METRICS, best=best, sets_note=note,
+                  marks=page_marks(rows), window_sets=sorted({r.window_set_id for r in rows if r.window_set_id}))
 
 
-def _best(rows: Sequence[Row], key: str, lower: bool) -> str | None:
-    have = [r for r in rows if getattr(r, key) is not None]
-    if len(have) < 2:
+def _best(rows: Sequence[Row], key: str, lower: bool, mixed_sets: bool) -> str | None:
+    """The ref of the best value of ``key``, or None: fewer than two values, quality figures from different
+    window sets or references, or KLDs of different kinds (an exact value and a bound do not rank)."""
+    have = [r for r in rows if r.value(key) is not None]
+    if len(have) < 2 or (mixed_sets and key in QUALITY_KEYS):
+        return None
+    if key == "kld" and len({r.kld_shown.kind for r in have}) > 1:
         return None
     pick = min if lower else max
-    return pick(have, key=lambda r: getattr(r, key)).ref
+    return pick(have, key=lambda r: r.value(key)).ref
+
+
+def result_roles(view: VersionView) -> dict[int, tuple[str, str | None]]:
+    """Each result's role to the version's format and its marker's legend line (version page)."""
+    picked = pick_results(view.format, view.results)
+    shown = {id(r) for r in (picked.quality, picked.speed) if r is not None}
+    out: dict[int, tuple[str, str | None]] = {}
+    for r in view.results:
+        role = role_of(view.format, r.engine) if id(r) in shown else second_role(view.format, r.engine)
+        mark = engine_mark(view.format, r.engine, role)
+        out[r.id] = (role, mark.line if mark else None)
+    return out

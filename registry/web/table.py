@@ -1,9 +1,11 @@
 """The comparison table: one row per variant version, with every metric on one scale and, where a
 metric is missing, the reason (not evaluated, evaluation failed, engine unavailable).
 
-Generic over formats and engines: a row takes the newest successful ``quality`` result (PPL, ΔPPL,
-KLD, top-1 as produced by ``evaluators.metrics.compare``) and the newest successful ``speed`` result
-(``prompt_tok_per_s`` / ``decode_tok_per_s``, a number or ``{"median": …}``) of whatever engine ran.
+Generic over formats and engines: a row shows the quality and speed results that
+:func:`pipeline.shown.pick` chooses, the format's own engine (FORMATS) first and a stand-in's only when
+it has none, labelled; other engines' quality results ride along as ``cross_checks``, never in the
+engine's place. ``kld`` is only ever the exact full-vocabulary KLD: a top-K bound is ``kld_lower_bound``,
+an estimate ``kld_estimate`` (:func:`pipeline.shown.quality_fields`); the page shows whichever is set, marked.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from pipeline.results import KLDValue
+from pipeline.shown import dense_kernel, median, pick, quality_fields, role_of, row_marks, shown_kld
 from registry.views import ResultView, VariantSummary, VersionView
 
 NOT_EVALUATED = "not evaluated"
@@ -33,6 +37,25 @@ QUALITY_KEYS = ("ppl", "delta_ppl_pct", "kld", "top1_pct")
 SPEED_KEYS = ("pp_tok_s", "tg_tok_s")
 
 
+class SecondFigure(BaseModel):
+    """Another engine's quality result on the same version, shown beside the row's (``role`` cross-check,
+    or a stand-in beside the engine's own)."""
+
+    engine: str
+    engine_version: str | None = None
+    role: str
+    window_set_id: str | None = None
+    reference_key: str | None = None
+    ppl: float | None = None
+    delta_ppl_pct: float | None = None
+    kld: float | None = None
+    kld_lower_bound: float | None = None
+    kld_estimate: float | None = None
+    kld_kind: str | None = None
+    kld_method: str | None = None
+    top1_pct: float | None = None
+
+
 class Row(BaseModel):
     """One variant version in the comparison table (also the JSON API's ``table`` rows)."""
 
@@ -48,23 +71,50 @@ class Row(BaseModel):
     bpw: float | None = None
     ppl: float | None = None
     ppl_se: float | None = None
+    ppl_ci95_low: float | None = None
+    ppl_ci95_high: float | None = None
+    ref_ppl: float | None = None
     delta_ppl_pct: float | None = None
-    kld: float | None = None
+    delta_ppl_pct_ci95_low: float | None = None
+    delta_ppl_pct_ci95_high: float | None = None
+    kld: float | None = None  # the exact full-vocabulary KLD only
+    kld_lower_bound: float | None = None
+    kld_estimate: float | None = None
+    kld_kind: str | None = None  # exact | lower_bound | estimate
+    kld_method: str | None = None
+    kld_ci95_low: float | None = None
+    kld_ci95_high: float | None = None
     top1_pct: float | None = None
+    ci_method: str | None = None
+    n_windows: int | None = None
     pp_tok_s: float | None = None
     tg_tok_s: float | None = None
+    speed_kernel: str | None = None  # the dense-matmul stand-in for vLLM's 4-bit kernel that measured the speed
     engine: str | None = None
     engine_version: str | None = None
+    engine_role: str = "engine"  # engine | stand-in | cross-check | other (pipeline.shown.role_of)
     speed_engine: str | None = None
     window_set_id: str | None = None
+    reference_key: str | None = None
+    cross_checks: list[SecondFigure] = Field(default_factory=list)
+    marks: list[str] = Field(default_factory=list)  # pipeline.shown.mark_of keys
     quality_reason: str | None = None  # why the quality metrics are missing
     quality_error: str | None = None
     speed_reason: str | None = None
     speed_error: str | None = None
 
+    @property
+    def kld_shown(self) -> KLDValue:
+        """The row's one KLD (exact, lower bound or estimate) with its kind."""
+        return shown_kld(self)
+
+    def value(self, key: str) -> Any:
+        """A column's value: ``kld`` is the KLD shown (exact, bound or estimate), anything else the field."""
+        return self.kld_shown.value if key == "kld" else getattr(self, key)
+
     def reason(self, key: str) -> str | None:
         """Why ``key`` has no value (None when it has one)."""
-        if getattr(self, key) is not None:
+        if self.value(key) is not None:
             return None
         if key in QUALITY_KEYS:
             return self.quality_reason or "not reported"
@@ -86,13 +136,6 @@ def quant_label(fmt: str, spec: dict[str, Any]) -> str:
     return fmt
 
 
-def median(x: Any) -> float | None:
-    """A speed figure: a plain number, or the ``median`` of a repeated measurement."""
-    if isinstance(x, dict):
-        x = x.get("median")
-    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
-
-
 def _failure(results: Sequence[ResultView], kind: str) -> tuple[str, str | None]:
     failed = [r for r in results if r.kind == kind and r.status != "ok"]
     if not failed:
@@ -104,34 +147,39 @@ def _failure(results: Sequence[ResultView], kind: str) -> tuple[str, str | None]
     return EVAL_FAILED, err or None
 
 
-def _newest_ok(results: Sequence[ResultView], kind: str) -> ResultView | None:
-    ok = [r for r in results if r.kind == kind and r.status == "ok"]
-    return ok[-1] if ok else None
-
-
-def metric_fields(results: Sequence[ResultView]) -> dict[str, Any]:
-    """The metric columns of a row from a version's results (oldest first), with reasons for gaps."""
+def metric_fields(fmt: str, results: Sequence[ResultView]) -> dict[str, Any]:
+    """The metric columns of a row of format ``fmt`` from a version's results (oldest first), with reasons
+    for gaps, the second figures of other engines and the marks the row needs."""
     out: dict[str, Any] = {}
-    quality = _newest_ok(results, "quality")
+    picked = pick(fmt, results)
+    quality, speed = picked.quality, picked.speed
     if quality is None:
         out["quality_reason"], out["quality_error"] = _failure(results, "quality")
     else:
         m = quality.metrics
-        top1 = m.get("top1_agreement")
-        out.update(ppl=m.get("ppl"), ppl_se=_se(m), delta_ppl_pct=m.get("delta_ppl_pct"), kld=m.get("kld_mean"),
-                   top1_pct=100.0 * top1 if isinstance(top1, int | float) else None, engine=quality.engine,
-                   engine_version=quality.engine_version, window_set_id=quality.window_set_id)
-    speed = _newest_ok(results, "speed")
+        out.update({k: v for k, v in quality_fields(m).items() if k in Row.model_fields})
+        out.update(ppl_se=_se(m), engine=quality.engine, engine_version=quality.engine_version,
+                   window_set_id=quality.window_set_id)
     if speed is None:
         out["speed_reason"], out["speed_error"] = _failure(results, "speed")
         if out["speed_reason"] == NOT_EVALUATED and quality is None:
             out["speed_reason"], out["speed_error"] = out["quality_reason"], out["quality_error"]
     else:
         out.update(pp_tok_s=median(speed.metrics.get("prompt_tok_per_s")),
-                   tg_tok_s=median(speed.metrics.get("decode_tok_per_s")), speed_engine=speed.engine)
+                   tg_tok_s=median(speed.metrics.get("decode_tok_per_s")), speed_engine=speed.engine,
+                   speed_kernel=dense_kernel(speed.metrics))
         if quality is None:
             out.update(engine=speed.engine, engine_version=speed.engine_version)
+    out["engine_role"] = role_of(fmt, out.get("engine"))
+    out["cross_checks"] = [SecondFigure(engine=r.engine, engine_version=r.engine_version, role=role,
+                                        window_set_id=r.window_set_id, **_second_fields(r.metrics))
+                           for role, r in picked.others]
+    out["marks"] = row_marks(fmt, {**out, "cross_checks": [c.model_dump() for c in out["cross_checks"]]})
     return out
+
+
+def _second_fields(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in quality_fields(metrics).items() if k in SecondFigure.model_fields}
 
 
 def _se(m: dict[str, Any]) -> float | None:
@@ -143,7 +191,7 @@ def _se(m: dict[str, Any]) -> float | None:
 def row_from_summary(s: VariantSummary) -> Row:
     return Row(ref=s.ref, model=s.model, variant=s.variant, version=s.version, format=s.format,
                quant=quant_label(s.format, s.spec), state=s.state, aliases=s.aliases, size=s.size or None,
-               bpw=s.bpw if s.bpw is not None else _spec_bpw(s.spec), **metric_fields(s.results))
+               bpw=s.bpw if s.bpw is not None else _spec_bpw(s.spec), **metric_fields(s.format, s.results))
 
 
 def row_from_version(v: VersionView, aliases: dict[str, int] | None = None) -> Row:
@@ -151,7 +199,8 @@ def row_from_version(v: VersionView, aliases: dict[str, int] | None = None) -> R
     return Row(ref=v.ref, model=v.model, variant=v.variant, version=v.number, format=v.format,
                quant=quant_label(v.format, v.spec), state=v.state,
                aliases=aliases if aliases is not None else dict.fromkeys(v.aliases, v.number), size=v.size or None,
-               bpw=bpw if isinstance(bpw, int | float) else _spec_bpw(v.spec), **metric_fields(v.results))
+               bpw=bpw if isinstance(bpw, int | float) else _spec_bpw(v.spec),
+               **metric_fields(v.format, v.results))
 
 
 def _spec_bpw(spec: dict[str, Any]) -> float | None:
@@ -164,9 +213,9 @@ def sort_rows(rows: Iterable[Row], key: str | None, descending: bool = False) ->
     rows = list(rows)
     if key is None or (key not in METRICS and key not in ("variant", "format", "state", "engine")):
         return rows
-    have = [r for r in rows if getattr(r, key) is not None]
-    missing = [r for r in rows if getattr(r, key) is None]
-    return sorted(have, key=lambda r: getattr(r, key), reverse=descending) + missing
+    have = [r for r in rows if r.value(key) is not None]
+    missing = [r for r in rows if r.value(key) is None]
+    return sorted(have, key=lambda r: r.value(key), reverse=descending) + missing
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:

@@ -27,7 +27,8 @@ TOOL = {"name": "synthetic-fixture", "version": "1"}
 def quality(ppl: float, kld: float, top1: float, engine: str) -> dict[str, Any]:
     return {"kind": "quality", "engine": engine, "engine_version": f"{engine} 1.0", "status": "ok",
             "window_set_id": "ab" * 32, "metrics": {"ppl": ppl, "nll_se": 0.01, "delta_ppl_pct": (ppl / 10 - 1) * 100,
-                                                    "kld_mean": kld, "top1_agreement": top1}}
+                                                    "kld_mean": kld, "kld_method": "full-vocabulary",
+                                                    "top1_agreement": top1}}
 
 
 def speed(pp: float, tg: float, engine: str) -> dict[str, Any]:

@@ -274,7 +274,9 @@ def test_api_on_each_backend(tmp_path: Path, backend: Backend) -> None:
                            "metrics": {"ppl": 12.0, "kld_mean": 0.02, "top1_agreement": 0.9}})
     with serving(backend.location, blobs=backend.blobs) as base:
         (row,) = HTTP.get(f"{base}/api/v1/models/demo/-/table").json()
-        assert (row["ref"], row["kld"], row["top1_pct"]) == ("demo/Q8_0@1", 0.02, 90.0)
+        # a result stored before exact KLD: its kld_mean was a top-K bound, never the plain "kld"
+        assert (row["ref"], row["kld"], row["top1_pct"]) == ("demo/Q8_0@1", None, 90.0)
+        assert (row["kld_lower_bound"], row["kld_kind"]) == (0.02, "lower_bound")
         r = HTTP.get(url(base, "demo/Q8_0@1", "demo-Q8_0.gguf"), headers={"Range": "bytes=-8"})
         assert r.status_code == 206 and r.content == b"pg-bytes"
         assert HTTP.get(url(base, "demo/Q8_0@1", "demo-Q8_0.gguf")).content == b"pg-bytes" * 300

@@ -128,7 +128,8 @@ def test_cache_follows_every_write_and_revalidates(small_registry: Path) -> None
         HTTP.put(f"{base}/api/v1/versions/acme/tiny/F16@1/-/aliases/edge", headers={"Authorization": "Bearer t"})
         assert {r["variant"]: r for r in HTTP.get(table).json()}["F16"]["aliases"] == {"edge": 1, "latest": 1}
         reg.add_result("acme/tiny/F16@1", {"kind": "quality", "engine": "llama.cpp", "status": "ok",
-                                           "metrics": {"ppl": 10.5, "kld_mean": 0.25}, "window_set_id": "ab" * 32})
+                                           "metrics": {"ppl": 10.5, "kld_mean": 0.25, "kld_method": "full-vocabulary"},
+                                           "window_set_id": "ab" * 32})
         assert {r["variant"]: r for r in HTTP.get(table).json()}["F16"]["kld"] == 0.25
         assert ">2.500e-01</td>" in HTTP.get(f"{base}/models/acme/tiny").text
         reg.set_state("acme/tiny/F16@1", "rejected")

@@ -122,16 +122,16 @@ def _result(kind: str, status: str, error: str | None = None, **metrics: object)
 
 
 def test_reasons_for_missing_metrics() -> None:
-    assert metric_fields([])["quality_reason"] == NOT_EVALUATED
-    failed = metric_fields([_result("quality", "failed", "EngineError: crashed")])
+    assert metric_fields("gguf", [])["quality_reason"] == NOT_EVALUATED
+    failed = metric_fields("gguf", [_result("quality", "failed", "EngineError: crashed")])
     assert (failed["quality_reason"], failed["speed_reason"]) == (EVAL_FAILED, EVAL_FAILED)
     for r in (_result("quality", "unavailable"), _result("quality", "skipped"),
               _result("quality", "failed", "ToolchainMissingError: no vllm env")):
-        assert metric_fields([r])["quality_reason"] == ENGINE_UNAVAILABLE
-    retried = metric_fields([_result("quality", "failed", "x"), _result("quality", "ok", ppl=9.0, kld_mean=0.1,
+        assert metric_fields("gguf", [r])["quality_reason"] == ENGINE_UNAVAILABLE
+    retried = metric_fields("gguf", [_result("quality", "failed", "x"), _result("quality", "ok", ppl=9.0, kld_mean=0.1,
                                                                         top1_agreement=0.5)])
     assert retried["ppl"] == 9.0 and retried["top1_pct"] == 50.0 and "quality_reason" not in retried
-    speed_only = metric_fields([_result("quality", "ok", ppl=9.0), _result("speed", "ok", decode_tok_per_s=3)])
+    speed_only = metric_fields("gguf", [_result("quality", "ok", ppl=9.0), _result("speed", "ok", decode_tok_per_s=3)])
     assert speed_only["tg_tok_s"] == 3.0 and speed_only["pp_tok_s"] is None
 
 
