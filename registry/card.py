@@ -1,8 +1,10 @@
 """The Hugging Face model card of a publication, built with ``huggingface_hub.ModelCard``.
 
 It states what a user needs to trust the files: the metrics table (PPL, KLD, top-1 agreement and
-speed, with the window set and the engine versions that measured them), the lineage (source commit
-or content hash, tools and versions, build keys), the calibration and imatrix files, and the
+speed, with the window set and the engine versions that measured them; the format's own engine's figures,
+a cross-check as a second row, and a marker with a legend line on every number that is not what its
+header says: a stand-in engine, a KLD bound or estimate, a speed measured with a replaced kernel), the
+lineage (source commit or content hash, tools and versions, build keys), the calibration and imatrix files, and the
 ``base_model`` metadata the Hub uses to link quantizations to their model.
 """
 
@@ -14,7 +16,20 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from pipeline.formats import format_info
-from registry.views import ArtifactView, VersionView
+from pipeline.results import kld_of
+from pipeline.shown import (
+    DENSE_KERNEL,
+    dense_kernel,
+    engine_mark,
+    eval_sets_note,
+    kld_mark,
+    kld_text,
+    legend,
+    median,
+    pick,
+    role_of,
+)
+from registry.views import ArtifactView, ResultView, VersionView
 
 TEMPLATE = (Path(__file__).parent / "card_template.md").read_text(encoding="utf-8")
 
@@ -23,21 +38,64 @@ def _fmt(x: Any, nd: int, scale: float = 1.0) -> str:
     return "—" if not isinstance(x, int | float) else f"{x * scale:.{nd}f}"
 
 
-def _median(x: Any) -> Any:
-    return x.get("median") if isinstance(x, dict) else x
+def _kld(x: float) -> str:
+    return _fmt(x, 6)
 
 
-def _metric_row(view: VersionView) -> dict[str, Any]:
-    q = next((r for r in view.results if r.kind == "quality" and r.status == "ok"), None)
-    s = next((r for r in view.results if r.kind == "speed" and r.status == "ok"), None)
+def _metric_rows(view: VersionView) -> tuple[list[dict[str, Any]], list[str]]:
+    """The card's row of one version, its second figures, and the mark keys they use: the format's own
+    engine's results first (pipeline.shown.pick), every number that is not what its header says marked."""
+    picked = pick(view.format, view.results)
+    q, s = picked.quality, picked.speed
     qm, sm = (q.metrics if q else {}), (s.metrics if s else {})
-    se = qm.get("ppl_ci95_high")
-    ppl = _fmt(qm.get("ppl"), 4) + (f" (95% CI ≤ {se:.4f})" if isinstance(se, float) else "")
-    engine = next((f"{r.engine} {r.engine_version or ''}".strip() for r in (q, s) if r is not None), "—")
-    return {"variant": view.variant, "bpw": _fmt((view.lineage.get("info") or {}).get("bpw"), 3), "ppl": ppl,
-            "delta": _fmt(qm.get("delta_ppl_pct"), 3), "kld": _fmt(qm.get("kld_mean"), 6),
-            "top1": _fmt(qm.get("top1_agreement"), 2, 100.0), "pp": _fmt(_median(sm.get("prompt_tok_per_s")), 1),
-            "tg": _fmt(_median(sm.get("decode_tok_per_s")), 1), "engine": engine}
+    dense = DENSE_KERNEL.symbol if dense_kernel(sm) else ""
+    role = role_of(view.format, q.engine if q else s.engine if s else None)
+    engine = next((r for r in (q, s) if r is not None), None)
+    marks = [m.key for m in (engine_mark(view.format, engine.engine if engine else None, role),
+                             kld_mark(kld_of(qm)), DENSE_KERNEL if dense else None) if m is not None]
+    row = {"variant": view.variant, "bpw": _fmt((view.lineage.get("info") or {}).get("bpw"), 3),
+           **_quality_cells(qm), "pp": _speed(sm.get("prompt_tok_per_s"), dense),
+           "tg": _speed(sm.get("decode_tok_per_s"), dense), "engine": _engine(view.format, engine, role)}
+    rows = [row]
+    for second, r in picked.others:
+        mark = engine_mark(view.format, r.engine, second)
+        marks += [m.key for m in (mark, kld_mark(kld_of(r.metrics))) if m is not None]
+        rows.append({"variant": f"{view.variant} ({second})", "bpw": "—", **_quality_cells(r.metrics), "pp": "—",
+                     "tg": "—", "engine": _engine(view.format, r, second)})
+    return rows, marks
+
+
+def _quality_cells(m: dict[str, Any]) -> dict[str, str]:
+    lo, hi = m.get("ppl_ci95_low"), m.get("ppl_ci95_high")
+    ci = f" (95% CI {lo:.4f}–{hi:.4f})" if isinstance(lo, float) and isinstance(hi, float) else ""
+    return {"ppl": _fmt(m.get("ppl"), 4) + ci, "delta": _fmt(m.get("delta_ppl_pct"), 3),
+            "kld": kld_text(kld_of(m), _kld) or "—", "top1": _fmt(m.get("top1_agreement"), 2, 100.0)}
+
+
+def _speed(x: Any, dense: str) -> str:
+    text = _fmt(median(x), 1)
+    return text + dense if text != "—" else text
+
+
+def _engine(fmt: str, r: ResultView | None, role: str) -> str:
+    if r is None:
+        return "—"
+    mark = engine_mark(fmt, r.engine, role)
+    return f"{r.engine} {r.engine_version or ''}".strip() + (_md(mark.symbol) if mark else "")
+
+
+def _md(text: str) -> str:
+    """A marker in Markdown: ``*`` would start emphasis or a list item."""
+    return text.replace("*", "\\*")
+
+
+def _sets_note(views: list[VersionView]) -> str | None:
+    figures = []
+    for v in views:
+        q = pick(v.format, v.results).quality
+        if q is not None:
+            figures.append((v.variant, q.window_set_id, q.metrics.get("reference_key")))
+    return eval_sets_note(figures)
 
 
 def _hardware(views: list[VersionView]) -> list[str]:
@@ -75,10 +133,11 @@ def build_card(views: list[VersionView], *, repo_id: str, base_model: str | None
     engines = sorted({f"{r.engine} {r.engine_version}" for v in views for r in v.results if r.engine_version})
     summary = (f"{fmt.upper()} quantizations of {base}, made, evaluated and registered with Quantyard "
                f"({len(views)} variant{'s' if len(views) != 1 else ''}).")
-    top_k = next((a.meta.get("top_k") for a in references if a.meta.get("top_k")), 32)
+    built = [_metric_rows(v) for v in views]
     return ModelCard.from_template(
         data, template_str=TEMPLATE, title=repo_id.split("/")[-1], summary=summary, files=files,
-        metrics=[_metric_row(v) for v in views], top_k=top_k,
+        metrics=[row for rows, _ in built for row in rows],
+        marks=[_md(m.line) for m in legend(k for _, keys in built for k in keys)], sets_note=_sets_note(views),
         window_sets=[{**a.meta, "origin": a.meta.get("origin", "—")} for a in window_sets
                      if a.meta.get("id") in ws_ids],
         references=[{"engine_version": a.meta.get("engine_version", "—"), "ppl": _fmt(a.meta.get("ppl"), 4),
