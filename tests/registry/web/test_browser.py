@@ -116,3 +116,45 @@ def test_model_page_sort_open_download(browser: Any, demo_registry: Path, tmp_pa
             sorted(page.locator("#compare thead th a").all_inner_texts()) == ["demo/Q4_K_M@1", "demo/Q8_0@1"]
         context.close()
     assert problems == [], problems
+
+
+def test_stand_in_and_exact_rows_look_different(browser: Any, tmp_path: Path, artifacts_dir: Path) -> None:
+    """On the model page of tests/labelled.py's registry, the exl2-reference stand-in row and an exact,
+    engine-measured row render differently (hatching, italics, a badge, a marked engine, a legend line), a KLD
+    bound shows as ≥…†, and the chart draws stand-ins as diamonds; screenshots go to test-artifacts/."""
+    from tests.labelled import build_labelled_registry
+
+    registry = build_labelled_registry(tmp_path / "registry", tmp_path / "files")
+    problems: list[str] = []
+    with serving(str(registry)) as base:
+        page = browser.new_page(viewport={"width": 1750, "height": 900})  # wide enough for the engine column
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.goto(base + "/models/acme/labels")
+        exact = page.locator('#variants tr[data-ref="acme/labels/Q8_0@1"]')
+        stand_in = page.locator('#variants tr[data-ref="acme/labels/EXL2-4.0bpw-ref@1"]')
+
+        def style(row: Any, prop: str) -> str:
+            return str(row.locator("td.m-kld").evaluate(f"c => getComputedStyle(c).{prop}"))
+
+        assert style(exact, "backgroundImage") == "none"
+        assert "repeating-linear-gradient" in style(stand_in, "backgroundImage")
+        assert (style(exact, "fontStyle"), style(stand_in, "fontStyle")) == ("normal", "italic")
+        assert stand_in.locator(".badge.stand-in").is_visible() and exact.locator(".badge").count() == 0
+        assert stand_in.locator("span.mark").inner_text() == "*" and exact.locator("span.mark").count() == 0
+        bound = page.locator('#variants tr[data-ref="acme/labels/Q4_K_M@1"] td.m-kld')
+        assert bound.inner_text() == "≥4.081e-02†" and exact.locator("td.m-kld").inner_text() == "1.235e-06"
+        assert bound.evaluate("c => getComputedStyle(c).color") != style(exact, "color")
+        legend = page.locator('#marks li[data-mark="stand-in:exl2:exl2-reference"]')
+        assert legend.is_visible() and "not ExLlamaV2's kernels" in legend.inner_text()
+        diamonds = page.locator("#chart path.marker.stand-in")
+        assert diamonds.count() == 2 and diamonds.first.is_visible()
+        hollow = page.locator('#chart circle.marker.hollow[data-ref="acme/labels/Q4_K_M@1"]')  # a KLD bound
+        assert hollow.evaluate("c => getComputedStyle(c).stroke") == "rgb(31, 119, 180)"  # its format's colour
+        assert hollow.evaluate("c => getComputedStyle(c).fill") == "rgb(255, 255, 255)"
+        shot = artifacts_dir / "stand-in-labels.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        stand_in.screenshot(path=str(artifacts_dir / "stand-in-row.png"))
+        exact.screenshot(path=str(artifacts_dir / "exact-row.png"))
+        page.close()
+    assert problems == [], problems
