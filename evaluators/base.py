@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from evaluators.metrics import compare
+from evaluators.speed import SHAPE_KEYS, resolve_shape
 from pipeline.config import Settings
 from pipeline.errors import EngineError
 from pipeline.plan import EvalSpec
@@ -148,13 +149,14 @@ def score(reference: Path, output: RunnerOutput, engine: Engine, windows: Path |
     return metrics
 
 
-def speed_request(spec: EvalSpec) -> dict[str, Any] | None:
+def speed_request(spec: EvalSpec, accelerator: str) -> dict[str, Any] | None:
+    """The ``speed`` part of a runner request (None when speed is off): the plan's shape for an engine running
+    on ``accelerator`` (``cuda`` or ``cpu``), as :func:`evaluators.speed.resolve_shape` resolves and labels
+    it, for every engine alike."""
     s = spec.speed
     if not s.enabled:
         return None
-    return {"repeats": s.repeats, "prompt_tokens": s.prompt_tokens, "gen_tokens": s.gen_tokens,
-            "parallel": list(s.parallel), "parallel_prompt_tokens": s.parallel_prompt_tokens,
-            "parallel_gen_tokens": s.parallel_gen_tokens}
+    return resolve_shape(s.model_dump(include={"repeats", "parallel", *SHAPE_KEYS}), accelerator)
 
 
 def probe_windows(folder: Path) -> Path:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from converters.lookup import converter_class
+from evaluators.speed import comparable
 from flows import steps
 from pipeline.checks import CheckFailed, CheckSkipped, ValidationReport
 from pipeline.config import Settings
@@ -279,6 +280,10 @@ def check_speed(target: Target, settings: Settings, opts: ValidateOptions, work:
     differs = _same_hardware(base_speed.hardware, hardware)
     if differs:
         raise CheckSkipped("baseline was measured on different hardware (" + "; ".join(differs) + ")")
+    unlike = comparable(base_speed.metrics, speed)
+    if unlike:
+        raise CheckSkipped("baseline was measured with other speed definitions or another shape ("
+                           + "; ".join(unlike) + ")")
     limit = opts.policy.speed.max_slowdown_pct
     rows, problems = {}, []
     for metric in opts.policy.speed.metrics:

@@ -31,13 +31,18 @@ SPLIT_SIZE_PATTERN = r"^[0-9]+[MG]$"
 
 
 class SpeedSpec(Frozen):
+    """The speed measurement (definitions: evaluators/speed.py). The defaults are the seed benchmark's shape,
+    512 prompt / 256 generated tokens, run as such on a GPU; on CPU each engine's request is capped at
+    ``evaluators.speed.CPU_SCALED_SHAPE`` and labelled ``cpu-scaled``. Generated tokens include the first
+    (from the prefill), so decode tok/s needs at least 2."""
+
     enabled: bool = True
     repeats: int = Field(default=3, ge=1)
     prompt_tokens: int = Field(default=512, ge=8)
-    gen_tokens: int = Field(default=128, ge=1)
+    gen_tokens: int = Field(default=256, ge=2)
     parallel: tuple[int, ...] = (1, 8, 32)
-    parallel_prompt_tokens: int = Field(default=128, ge=1)
-    parallel_gen_tokens: int = Field(default=64, ge=1)
+    parallel_prompt_tokens: int = Field(default=512, ge=1)
+    parallel_gen_tokens: int = Field(default=256, ge=2)
 
 
 class EvalSpec(Frozen):

@@ -90,8 +90,9 @@ ENGINE_PACKAGES = ("llamacpp", "vllm", "exllamav2", "transformers", "exl2_refere
 FORMAT_PACKAGES = ("gguf", "awq", "exl2")
 #: What a runner may load of ``pipeline``: the standard-library-only modules, and the EXL2 codec (torch only).
 RUNNER_PIPELINE = frozenset({"pipeline", "pipeline.cpu", "pipeline.fs", "pipeline.errors", "pipeline.exl2_codec"})
-#: What a runner may load of ``evaluators`` besides its own package: the protocol and the shared EXL2 loader.
-RUNNER_SHARED = frozenset({"evaluators", "evaluators.protocol", "evaluators.exl2_loader"})
+#: What a runner may load of ``evaluators`` besides its own package: the protocol, the speed definitions and the
+#: shared EXL2 loader.
+RUNNER_SHARED = frozenset({"evaluators", "evaluators.protocol", "evaluators.speed", "evaluators.exl2_loader"})
 
 
 def _loaded_after(imports: str) -> list[str]:

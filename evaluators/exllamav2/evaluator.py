@@ -47,7 +47,7 @@ class ExLlamaV2Evaluator:
         rt = exl2_env.require(settings)
         cmd = RunnerCommand(engine=self.engine, python=rt.python, module=RUNNER)
         request = {"model": str(model), "windows": str(windows), **quality_request(reference, spec),
-                   "threads": settings.threads, "speed": speed_request(spec)}
+                   "threads": settings.threads, "speed": speed_request(spec, "cuda")}
         out = run_engine(cmd, request, out_dir, settings)
         quality = score(reference, out, self.engine, windows)
         return EvalOutcome(engine=self.engine.value, engine_version=out.result["engine_version"],

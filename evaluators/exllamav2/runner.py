@@ -5,15 +5,20 @@ Quality: each window is one ``model.forward`` without a cache (or with a fresh c
 window is longer than ExLlamaV2's ``max_input_len``); the logits of every position feed the shared
 Collector, exactly as for every other engine.
 
-Speed (when asked), greedy decoding on a prompt cut from the window ids:
+Speed (when asked), greedy decoding on prompts cut from the window ids, with the definitions of
+``evaluators/speed.py`` computed from timestamps the runner records (after ``torch.cuda.synchronize``):
 
-* batch 1: time to first token on a ``prompt_tokens`` prompt, then decode tok/s over ``gen_tokens``
-  tokens, ``repeats`` times (median/min/max);
-* N concurrent sequences for each N in ``parallel``: ExLlamaV2's dynamic generator (paged attention,
-  which needs flash-attn). Where paged attention is unavailable the runner says so and times a
-  batched forward with an N-row cache instead (``tool`` names which one was measured).
+* batch 1 on a ``prompt_tokens`` prompt: the prompt's forward gives the first token, then ``gen_tokens − 1``
+  decode steps: time to first token, prompt tok/s, decode tok/s;
+* N concurrent sequences for each N in ``parallel``, N different ``parallel_prompt_tokens`` prompts
+  enqueued together: ExLlamaV2's dynamic generator (paged attention, which needs flash-attn), each job's
+  first and last token timed as the generator streams them: aggregate generated tok/s, end to end. Where
+  paged attention is unavailable the runner says so and times a batched forward with an N-row cache
+  instead, prefill included (``tool`` names which one was measured).
 
-Imports only ``evaluators.protocol``, numpy, torch and exllamav2.
+Each is repeated ``repeats`` times; the result records the shape and the engine settings (FP16 cache,
+no CUDA graphs, flash-attn availability). Imports only ``evaluators.protocol``, ``evaluators.speed``,
+numpy, torch and exllamav2.
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ from evaluators.protocol import (
     hardware,
     load_windows,
     read_request,
-    stats,
     write_result,
 )
+from evaluators.speed import Seq, engine_settings, prompts, speed_result
 
 
 def _load(req: dict[str, Any], max_seq_len: int) -> tuple[Any, Any, Any]:
@@ -72,101 +77,143 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
-def _single_stream(model: Any, prompt: list[int], gen: int, repeats: int) -> dict[str, Any]:
+def _single_stream(model: Any, prompt: list[int], gen: int, repeats: int) -> list[Seq]:
+    """Batch 1, ``repeats`` times: the prompt's forward gives the first token, then ``gen − 1`` decode steps."""
     import torch
     from exllamav2 import ExLlamaV2Cache
 
     cache = ExLlamaV2Cache(model, max_seq_len=len(prompt) + gen + 8, batch_size=1)
     ids = torch.tensor([prompt], dtype=torch.long)
-    ttft, tg, pp = [], [], []
+    runs = []
     with torch.inference_mode():
         cache.current_seq_len = 0
         model.forward(ids[:, :16], cache, last_id_only=True)  # warm-up: kernels, autotune
         for _ in range(repeats):
             cache.current_seq_len = 0
             _sync()
-            t0 = time.perf_counter()
+            t_submit = time.perf_counter()
             logits = model.forward(ids, cache, last_id_only=True)
-            tok = int(torch.argmax(logits[0, -1]))
-            _sync()
-            t1 = time.perf_counter()
-            for _ in range(gen):
+            tok = int(torch.argmax(logits[0, -1]))  # .item() synchronizes
+            t_first = time.perf_counter()
+            for _ in range(gen - 1):
                 logits = model.forward(torch.tensor([[tok]]), cache, last_id_only=True)
                 tok = int(torch.argmax(logits[0, -1]))
-            _sync()
-            t2 = time.perf_counter()
-            ttft.append((t1 - t0) * 1000.0)
-            pp.append(len(prompt) / (t1 - t0))
-            tg.append(gen / (t2 - t1))
-    return {"ttft_ms": stats(ttft), "prompt_tok_per_s": stats(pp), "decode_tok_per_s": stats(tg)}
+            runs.append(Seq(t_submit, t_first, time.perf_counter(), len(prompt), gen))
+    return runs
 
 
-def _dynamic(model: Any, tokenizer: Any, prompt: list[int], n: int, gen: int) -> dict[str, Any]:
-    """Aggregate decode throughput of ``n`` concurrent greedy jobs in the dynamic generator."""
+def _dynamic(model: Any, tokenizer: Any, prompts_: list[list[int]], gen: int, repeats: int) -> list[list[Seq]]:
+    """``repeats`` runs of ``len(prompts_)`` concurrent greedy jobs in the dynamic generator (one warm-up run
+    first), each job's first and last token timed as the generator streams them."""
     import torch
     from exllamav2 import ExLlamaV2Cache
     from exllamav2.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
-    pages = -(-n * (len(prompt) + gen + 16) // 256) * 256
+    n, p = len(prompts_), len(prompts_[0])
+    pages = -(-n * (p + gen + 16) // 256) * 256
     cache = ExLlamaV2Cache(model, max_seq_len=pages, batch_size=1)
     generator = ExLlamaV2DynamicGenerator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=n,
                                           paged=True)
 
-    def run() -> tuple[int, float]:
-        for i in range(n):
+    def run() -> list[Seq]:
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        count = dict.fromkeys(range(n), 0)
+        _sync()
+        t_submit = time.perf_counter()
+        for i, prompt in enumerate(prompts_):
             generator.enqueue(ExLlamaV2DynamicJob(input_ids=torch.tensor([prompt]), max_new_tokens=gen,
                                                   min_new_tokens=gen, stop_conditions=[],
                                                   gen_settings=ExLlamaV2Sampler.Settings.greedy(), identifier=i))
-        done = 0
-        _sync()
-        t0 = time.perf_counter()
         while generator.num_remaining_jobs():
-            for r in generator.iterate():
-                if r["stage"] == "streaming" and "token_ids" in r:
-                    done += int(r["token_ids"].shape[-1])
-        _sync()
-        return done, time.perf_counter() - t0
+            results = generator.iterate()  # returns after the step's tokens are on the host
+            now = time.perf_counter()
+            for r in results:
+                if r["stage"] != "streaming":
+                    continue
+                i, new = r["identifier"], int(r["token_ids"].shape[-1]) if "token_ids" in r else 0
+                if new and i not in first:
+                    first[i] = now
+                count[i] += new
+                if r.get("eos"):
+                    last[i] = now
+        return [Seq(t_submit, first[i], last[i], p, count[i]) for i in range(n)]
 
     run()  # warm-up
-    tokens, secs = run()
-    return {"aggregate_tok_per_s": tokens / secs, "tokens": tokens, "seconds": secs}
+    return [run() for _ in range(repeats)]
 
 
-def _batched_forward(model: Any, prompt: list[int], n: int, gen: int) -> dict[str, Any]:
-    """Fallback without paged attention: prefill ``n`` copies, then ``gen`` batched decode steps."""
+def _batched_forward(model: Any, prompts_: list[list[int]], gen: int, repeats: int) -> list[list[Seq]]:
+    """Fallback without paged attention, ``repeats`` times: prefill the N prompts as one batch (each row's
+    first token), then ``gen − 1`` batched decode steps."""
     import torch
     from exllamav2 import ExLlamaV2Cache
 
-    cache = ExLlamaV2Cache(model, max_seq_len=len(prompt) + gen + 8, batch_size=n)
-    ids = torch.tensor([prompt] * n, dtype=torch.long)
+    n, p = len(prompts_), len(prompts_[0])
+    cache = ExLlamaV2Cache(model, max_seq_len=p + gen + 8, batch_size=n)
+    ids = torch.tensor(prompts_, dtype=torch.long)
+    runs = []
     with torch.inference_mode():
-        cache.current_seq_len = 0
-        logits = model.forward(ids, cache, last_id_only=True)
-        toks = torch.argmax(logits[:, -1], dim=-1, keepdim=True).cpu()
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(gen):
-            logits = model.forward(toks, cache, last_id_only=True)
+        for _ in range(repeats):
+            cache.current_seq_len = 0
+            _sync()
+            t_submit = time.perf_counter()
+            logits = model.forward(ids, cache, last_id_only=True)
             toks = torch.argmax(logits[:, -1], dim=-1, keepdim=True).cpu()
-        _sync()
-        secs = time.perf_counter() - t0
-    return {"aggregate_tok_per_s": n * gen / secs, "tokens": n * gen, "seconds": secs}
+            t_first = time.perf_counter()
+            for _ in range(gen - 1):
+                logits = model.forward(toks, cache, last_id_only=True)
+                toks = torch.argmax(logits[:, -1], dim=-1, keepdim=True).cpu()
+            t_last = time.perf_counter()
+            runs.append([Seq(t_submit, t_first, t_last, p, gen) for _ in range(n)])
+    return runs
 
 
-def _parallel(model: Any, tokenizer: Any, prompt: list[int], speed: dict[str, Any]) -> dict[str, Any]:
-    gen = int(speed["parallel_gen_tokens"])
-    rows: dict[str, Any] = {}
+def _parallel(model: Any, tokenizer: Any, pool: np.ndarray,
+              speed: dict[str, Any]) -> tuple[dict[int, list[list[Seq]]], str]:
+    """N concurrent sequences for each N in ``speed["parallel"]`` (the dynamic generator, or the batched
+    fallback once it fails); returns the runs and the ``tool`` that was timed."""
+    p, gen, repeats = int(speed["parallel_prompt_tokens"]), int(speed["parallel_gen_tokens"]), int(speed["repeats"])
+    runs: dict[int, list[list[Seq]]] = {}
     tool = "exllamav2 dynamic generator"
-    for n in speed["parallel"]:
+    for n in (int(x) for x in speed["parallel"]):
+        batch = prompts(pool, n, p)
         try:
-            rows[str(n)] = _dynamic(model, tokenizer, prompt, int(n), gen) if tool.endswith("generator") \
-                else _batched_forward(model, prompt, int(n), gen)
+            runs[n] = _dynamic(model, tokenizer, batch, gen, repeats) if tool.endswith("generator") \
+                else _batched_forward(model, batch, gen, repeats)
         except (AssertionError, ImportError, RuntimeError) as exc:
             if not tool.endswith("generator"):
                 raise
             tool = f"batched model.forward (dynamic generator unavailable: {type(exc).__name__}: {exc})"
-            rows[str(n)] = _batched_forward(model, prompt, int(n), gen)
-    return {"by_parallel": rows, "tool": tool, "prompt_tokens": len(prompt), "gen_tokens": gen}
+            runs[n] = _batched_forward(model, batch, gen, repeats)
+    return runs, tool
+
+
+def _settings(config: Any, req: dict[str, Any]) -> dict[str, Any]:
+    """The engine settings a speed result records (evaluators.speed.engine_settings)."""
+    import importlib.util
+
+    import torch
+
+    flash = "installed" if importlib.util.find_spec("flash_attn") else "not installed (no paged attention)"
+    return engine_settings(dtype="float16 activations; EXL2 weights", kernel=f"exllamav2 CUDA extension; "
+                           f"flash-attn {flash}; {torch.cuda.get_device_name(0)}",
+                           cuda_graphs="not used (ExLlamaV2 runs its forward eagerly)",
+                           kv_cache={"type": "ExLlamaV2Cache (FP16)", "max_seq_len": config.max_seq_len,
+                                     "parallel": "paged (dynamic generator, 256-token pages) or one row per sequence"},
+                           threads=req.get("threads"))
+
+
+def measure_speed(model: Any, tokenizer: Any, config: Any, pool: np.ndarray, req: dict[str, Any]) -> dict[str, Any]:
+    """The speed result (evaluators.speed.speed_result) for the request's ``speed`` shape."""
+    s = req["speed"]
+    (prompt,) = prompts(pool, 1, int(s["prompt_tokens"]))
+    single = _single_stream(model, prompt, int(s["gen_tokens"]), int(s["repeats"]))
+    parallel, tool = _parallel(model, tokenizer, pool, s) if s.get("parallel") else ({}, "")
+    result = speed_result(s, single, parallel, _settings(config, req), tool="exllamav2 model.forward")
+    if parallel:
+        result["parallel"]["tool"] = tool
+    return result
 
 
 def main() -> None:
@@ -189,14 +236,7 @@ def main() -> None:
         "hardware": hardware(req.get("threads"))}
     result["quality"] = _quality(req, config, model, out_dir)
     if speed:
-        flat = ids.reshape(-1).tolist()
-        prompt = (flat * (speed["prompt_tokens"] // max(1, len(flat)) + 1))[: speed["prompt_tokens"]]
-        result["speed"] = _single_stream(model, prompt, int(speed["gen_tokens"]), int(speed["repeats"]))
-        result["speed"].update({"prompt_tokens": len(prompt), "gen_tokens": int(speed["gen_tokens"]),
-                                "repeats": int(speed["repeats"])})
-        if speed.get("parallel"):
-            result["speed"]["parallel"] = _parallel(model, tokenizer, prompt[: speed["parallel_prompt_tokens"]],
-                                                    speed)
+        result["speed"] = measure_speed(model, tokenizer, config, ids, req)
     write_result(out_dir, result)
     sys.stdout.flush()
     os._exit(0)  # exllamav2's extension may tear down noisily at interpreter exit; the result is written

@@ -13,6 +13,8 @@ from pipeline.plan import EvalSpec
 from pipeline.specs import Engine, QuantFormat
 
 RUNNER = "evaluators.llamacpp.runner"
+#: The core environment's llama-cpp-python is a CPU build (no layers offloaded): speed takes the CPU shape.
+ACCELERATOR = "cpu"
 
 
 class LlamaCppEvaluator:
@@ -40,9 +42,8 @@ class LlamaCppEvaluator:
                       settings: Settings) -> tuple[dict[str, Any], dict[str, Any], str]:
         """Speed only (no quality pass): returns (speed metrics, hardware, engine version)."""
         tools = llama_cpp_toolchain(settings)
-        speed = speed_request(spec) or {}
-        speed["bin_dir"] = str(tools.bin_dir)
-        request = {"model": str(model), "windows": None, "threads": settings.threads, "speed": speed}
+        request = {"model": str(model), "windows": None, "threads": settings.threads,
+                   "speed": speed_request(spec, ACCELERATOR), "llama_cpp_commit": tools.commit}
         out = run_engine(self._command(settings, tools), request, out_dir, settings)
         return out.result["speed"], out.result["hardware"], out.result["engine_version"]
 
@@ -50,9 +51,7 @@ class LlamaCppEvaluator:
                  out_dir: Path, settings: Settings) -> EvalOutcome:
         """Score a GGUF file (the first part, for split GGUFs) on the window set, then time it."""
         tools = llama_cpp_toolchain(settings)
-        speed = speed_request(spec)
-        if speed is not None:
-            speed["bin_dir"] = str(tools.bin_dir)
+        speed = speed_request(spec, ACCELERATOR)
         cmd = self._command(settings, tools)
         request = {"model": str(model), "windows": str(windows), **quality_request(reference, spec),
                    "threads": settings.threads, "speed": speed, "llama_cpp_commit": tools.commit}

@@ -1,16 +1,28 @@
 """llama.cpp runner (llama-cpp-python): log-probs on the shared windows, then speed.
 
 Quality: each window is evaluated as one batch; llama.cpp returns the logits of the scored
-positions only, and they feed the shared Collector. Speed (when asked): prompt processing tok/s
-and time to first token on a ``prompt_tokens`` prompt, decode tok/s over ``gen_tokens``
-greedy tokens, each repeated ``repeats`` times (median/min/max); throughput at several
-parallel sequences comes from ``llama-batched-bench`` of the same build.
+positions only, and they feed the shared Collector.
+
+Speed (when asked), all on llama-cpp-python's low-level API in this process, timestamps only, every metric
+computed by ``evaluators/speed.py`` (its docstring has the definitions):
+
+* batch 1, on a one-sequence context (as llama-bench's): the ``prompt_tokens`` prompt decoded as one batch
+  (logits of its last row only), then ``gen_tokens − 1`` greedy decode steps: time to first token, prompt
+  tok/s, decode tok/s at depth ``prompt_tokens``;
+* N concurrent sequences for each N in ``parallel``, on one context of ``max(parallel)`` sequences with a
+  per-sequence KV cache (as llama-batched-bench's): N different ``parallel_prompt_tokens`` prompts prefilled
+  together in batches of ``n_batch`` tokens (logits of each prompt's last row), then ``parallel_gen_tokens −
+  1`` decode steps of N tokens: aggregate generated tok/s, end to end.
+
+Each is repeated ``repeats`` times. llama-bench and llama-batched-bench of the same build are the reference
+tools these are checked against (tests/evaluators/test_speed_crosscheck.py, bench/speed_crosscheck.py), not
+what is measured here. The result records the shape and the engine settings (threads, n_ctx, n_batch,
+n_ubatch, KV cache types, flash attention, the CPU backend's features).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
+import ctypes
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,9 +36,9 @@ from evaluators.protocol import (
     hardware,
     load_windows,
     read_request,
-    stats,
     write_result,
 )
+from evaluators.speed import Seq, engine_settings, prompts, speed_result
 
 FLASH_ATTN = {"auto": -1, "on": 1, "off": 0}  # llama_flash_attn_type; llama.cpp's own tools default to auto
 
@@ -34,9 +46,12 @@ FLASH_ATTN = {"auto": -1, "on": 1, "off": 0}  # llama_flash_attn_type; llama.cpp
 class _Engine:
     """One model and context on llama-cpp-python's low-level bindings, one sequence, with a batch whose
     per-token logits flags we set (``Llama.eval`` asks for all rows or only the last). Flash attention is
-    ``auto`` unless the request says otherwise, as in llama.cpp's own tools (llama-perplexity, llama-bench)."""
+    ``auto`` unless the request says otherwise, as in llama.cpp's own tools (llama-perplexity, llama-bench).
+    ``n_seq`` sequences (speed at N concurrent sequences) get a KV cache each (``kv_unified`` off, as in
+    llama-batched-bench); ``n_ubatch`` defaults to ``n_batch``."""
 
-    def __init__(self, req: dict[str, Any], n_ctx: int, n_batch: int) -> None:
+    def __init__(self, req: dict[str, Any], n_ctx: int, n_batch: int, n_seq: int = 1,
+                 n_ubatch: int | None = None) -> None:
         import llama_cpp
         from llama_cpp import _internals
         from llama_cpp._utils import suppress_stdout_stderr
@@ -51,8 +66,10 @@ class _Engine:
         self.model = _internals.LlamaModel(path_model=req["model"], params=mparams, verbose=False)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
-        cparams.n_batch = cparams.n_ubatch = n_batch
-        cparams.n_seq_max = 1
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch if n_ubatch is None else n_ubatch
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = False
         cparams.n_threads = cparams.n_threads_batch = int(req["threads"])
         cparams.flash_attn_type = FLASH_ATTN[self.flash_attn]
         with suppress_stdout_stderr(disable=False):
@@ -66,6 +83,8 @@ class _Engine:
         np.ctypeslib.as_array(b.n_seq_id, shape=(n_batch,))[:] = 1
         for i in range(n_batch):
             b.seq_id[i][0] = 0
+        self.seq_ids = np.zeros(n_batch, np.int64)  # what b.seq_id[i][0] holds
+        self.type_kv = (int(cparams.type_k), int(cparams.type_v))
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.ctx.memory, True)
@@ -85,6 +104,42 @@ class _Engine:
         if rc != 0:
             raise SystemExit(f"llama_decode returned {rc} for {n} tokens at position {pos0}")
         return np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx.ctx), shape=(end - first_row, self.n_vocab))
+
+    def decode_seqs(self, tokens: np.ndarray, pos: np.ndarray, seqs: np.ndarray, flags: np.ndarray) -> np.ndarray:
+        """Decode ``tokens`` at positions ``pos`` of sequences ``seqs``; returns a view of the logits of the
+        rows where ``flags`` is set, in batch order, valid until the next decode. Only sequence ids that
+        differ from the previous batch's are written (a ctypes store per token)."""
+        n = len(tokens)
+        self.tokens[:n] = tokens
+        self.pos[:n] = pos
+        self.flags[:n] = flags
+        for i in np.flatnonzero(self.seq_ids[:n] != seqs):
+            self.batch.batch.seq_id[i][0] = int(seqs[i])
+        self.seq_ids[:n] = seqs
+        self.batch.batch.n_tokens = n
+        rc = self.lib.llama_decode(self.ctx.ctx, self.batch.batch)
+        if rc != 0:
+            raise SystemExit(f"llama_decode returned {rc} for {n} tokens of sequences {sorted(set(seqs.tolist()))}")
+        rows = int(np.count_nonzero(flags))
+        return np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx.ctx), shape=(rows, self.n_vocab))
+
+    def settings(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The engine settings a speed result records (evaluators.speed.engine_settings)."""
+        lib, ctx = self.lib, self.ctx.ctx
+        buf = (ctypes.c_char * 256)()
+        lib.llama_model_desc(self.model.model, buf, len(buf))
+        gpu = int(req.get("n_gpu_layers", 0))
+        types = {getattr(lib, n): n.removeprefix("GGML_TYPE_").lower() for n in dir(lib) if n.startswith("GGML_TYPE_")}
+        kv = {"n_ctx": lib.llama_n_ctx(ctx), "n_ctx_seq": lib.llama_n_ctx_seq(ctx), "n_batch": lib.llama_n_batch(ctx),
+              "n_ubatch": lib.llama_n_ubatch(ctx), "n_seq_max": lib.llama_n_seq_max(ctx), "kv_unified": False,
+              "type_k": types.get(self.type_kv[0], self.type_kv[0]),
+              "type_v": types.get(self.type_kv[1], self.type_kv[1]), "flash_attn": self.flash_attn}
+        return engine_settings(dtype=f"GGUF weights: {buf.value.decode(errors='replace')}; activations f32",
+                               kernel=f"ggml ({lib.llama_print_system_info().decode(errors='replace').strip()})",
+                               cuda_graphs="n/a (CPU)" if gpu == 0 else "ggml CUDA backend default",
+                               kv_cache=kv, threads={"n_threads": lib.llama_n_threads(ctx),
+                                                     "n_threads_batch": lib.llama_n_threads_batch(ctx)},
+                               n_gpu_layers=gpu)
 
     def close(self) -> None:
         self.batch.close()
@@ -119,78 +174,91 @@ def _quality(req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             "flash_attn": eng.flash_attn}
 
 
-def _single_stream(req: dict[str, Any], prompt: list[int], gen: int, repeats: int) -> dict[str, Any]:
-    """Prompt processing and time to first token (the prompt as one batch, logits of its last row only),
-    then greedy decoding of ``gen`` tokens one by one."""
-    eng = _Engine(req, n_ctx=len(prompt) + gen + 8, n_batch=len(prompt))
-    eng.decode(prompt[:16], 0, 15)  # warm-up: page in weights, build graphs
-    pp, ttft, tg = [], [], []
+def _single_stream(req: dict[str, Any], prompt: list[int], gen: int,
+                   repeats: int) -> tuple[list[Seq], dict[str, Any]]:
+    """Batch 1, ``repeats`` times: the prompt as one batch (logits of its last row only) gives the first token,
+    then ``gen − 1`` greedy decode steps. Returns the runs' timestamps and the engine settings."""
+    p = len(prompt)
+    eng = _Engine(req, n_ctx=p + gen + 8, n_batch=p)
+    eng.decode(prompt[:16], 0, 15)  # warm-up: page in weights, build graphs (llama-bench warms up too)
+    runs = []
     for _ in range(repeats):
         eng.clear()
-        t0 = time.perf_counter()
-        tok = int(np.argmax(eng.decode(prompt, 0, len(prompt) - 1)[0]))
-        t1 = time.perf_counter()
-        for i in range(gen):
-            tok = int(np.argmax(eng.decode([tok], len(prompt) + i, 0)[0]))
-        t2 = time.perf_counter()
-        pp.append(len(prompt) / (t1 - t0))
-        ttft.append((t1 - t0) * 1000.0)
-        tg.append(gen / (t2 - t1))
+        t_submit = time.perf_counter()
+        tok = int(np.argmax(eng.decode(prompt, 0, p - 1)[0]))
+        t_first = time.perf_counter()
+        for i in range(gen - 1):
+            tok = int(np.argmax(eng.decode([tok], p + i, 0)[0]))
+        runs.append(Seq(t_submit, t_first, time.perf_counter(), p, gen))
+    settings = eng.settings(req)
     eng.close()
-    return {"prompt_tok_per_s": stats(pp), "ttft_ms": stats(ttft), "decode_tok_per_s": stats(tg),
-            "flash_attn": eng.flash_attn}
+    return runs, settings
 
 
-def _parallel(req: dict[str, Any], speed: dict[str, Any]) -> dict[str, Any]:
-    """Aggregate decode throughput at N parallel sequences, via llama-batched-bench (same build).
-
-    Every requested N must come back: a missing row is measured again once, then reported as an error
-    with the tool's output (never silently dropped). The tool prints its rows through llama.cpp's
-    asynchronous logger, which can lose the last line when the process exits right after it: a short
-    sentinel run (N=1 again) follows the requested ones so that the real last row gets written."""
-    rows: dict[str, dict[str, Any]] = {}
-    todo = [int(n) for n in speed["parallel"]]
-    for _ in range(2):
-        out = _batched_bench(req, speed, todo)
-        if out.returncode != 0:
-            return {"error": f"llama-batched-bench exited {out.returncode}: {out.stderr[-800:]}"}
-        rows.update(_bench_rows(out.stdout))
-        todo = [n for n in todo if str(n) not in rows]
-        if not todo:
-            return {"by_parallel": rows, "tool": "llama-batched-bench"}
-    return {"by_parallel": rows, "tool": "llama-batched-bench",
-            "error": f"llama-batched-bench printed no result for {todo} parallel sequences; stdout tail: "
-                     f"{out.stdout[-600:]!r}; stderr tail: {out.stderr[-600:]!r}"}
+#: The logical and physical batch sizes of the concurrent runs, as llama-batched-bench's defaults (-b, -ub).
+PARALLEL_BATCH, PARALLEL_UBATCH = 2048, 512
 
 
-def _batched_bench(req: dict[str, Any], speed: dict[str, Any], npl: list[int]) -> subprocess.CompletedProcess[str]:
-    bin_dir = Path(speed["bin_dir"])
-    pp, tg = int(speed["parallel_prompt_tokens"]), int(speed["parallel_gen_tokens"])
-    ctx = max(npl) * (pp + tg) + 64
-    cmd = [str(bin_dir / "llama-batched-bench"), "-m", req["model"], "-c", str(ctx), "-b", "2048", "-ub", "512",
-           "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, [*npl, 1])), "-t", str(req["threads"]),
-           "--output-format", "jsonl", "-ngl", str(req.get("n_gpu_layers", 0))]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=speed.get("timeout_s", 1800))
+def parallel_context(n_max: int, prompt_tokens: int, gen_tokens: int) -> dict[str, int]:
+    """The context of the concurrent runs: ``n_ctx``, ``n_batch``, ``n_ubatch`` (llama.cpp caps the batch at
+    the context). The cross-check runs llama-batched-bench with the same ``-c``, ``-b`` and ``-ub``."""
+    n_ctx = n_max * (prompt_tokens + gen_tokens) + 64
+    n_batch = min(PARALLEL_BATCH, n_ctx)
+    return {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": min(PARALLEL_UBATCH, n_batch)}
 
 
-def _bench_rows(stdout: str) -> dict[str, dict[str, Any]]:
-    """The JSONL rows of llama-batched-bench, wherever they start on a line (a log message without a
-    newline may precede one)."""
-    decoder = json.JSONDecoder()
-    rows = {}
-    start = stdout.find("{")
-    while start != -1:
-        try:
-            row, end = decoder.raw_decode(stdout, start)
-        except json.JSONDecodeError:
-            start = stdout.find("{", start + 1)
-            continue
-        if isinstance(row, dict) and "pl" in row and str(row["pl"]) not in rows:  # the sentinel repeats N=1
-            rows[str(row["pl"])] = {"aggregate_tok_per_s": row.get("speed"), "decode_tok_per_s": row.get("speed_tg"),
-                                    "prompt_tok_per_s": row.get("speed_pp"), "prompt_tokens": row.get("pp"),
-                                    "gen_tokens": row.get("tg")}
-        start = stdout.find("{", end)
-    return rows
+def _concurrent_run(eng: _Engine, batch: int, prompts_: list[list[int]], gen: int) -> list[Seq]:
+    """One run of N sequences submitted together: their prompts prefilled in batches of ``batch`` tokens, each
+    sequence's first token taken when the batch holding its last prompt token is decoded, then ``gen − 1``
+    decode steps of one token per sequence."""
+    n, p = len(prompts_), len(prompts_[0])
+    tokens = np.concatenate([np.asarray(x, np.int64) for x in prompts_])
+    seqs, pos = np.repeat(np.arange(n), p), np.tile(np.arange(p), n)
+    last = pos == p - 1
+    nxt, first = np.zeros(n, np.int64), np.zeros(n)
+    eng.clear()
+    t_submit = time.perf_counter()
+    for c in range(0, n * p, batch):
+        part = slice(c, c + batch)
+        logits = eng.decode_seqs(tokens[part], pos[part], seqs[part], last[part])
+        done = seqs[part][last[part]]
+        if done.size:
+            nxt[done] = np.argmax(logits, axis=1)
+            first[done] = time.perf_counter()
+    rows, every = np.arange(n), np.ones(n, bool)
+    for i in range(gen - 1):
+        nxt = np.argmax(eng.decode_seqs(nxt, np.full(n, p + i), rows, every), axis=1)
+    t_last = time.perf_counter()
+    return [Seq(t_submit, float(first[j]), t_last, p, gen) for j in range(n)]
+
+
+def _parallel(req: dict[str, Any], pool: np.ndarray,
+              speed: dict[str, Any]) -> tuple[dict[int, list[list[Seq]]], dict[str, Any]]:
+    """N concurrent sequences for each N in ``speed["parallel"]``, ``repeats`` runs each, on one context of
+    ``max(N)`` sequences (see :func:`parallel_context`). Returns the runs and the engine settings."""
+    ns = [int(n) for n in speed["parallel"]]
+    p, gen, repeats = int(speed["parallel_prompt_tokens"]), int(speed["parallel_gen_tokens"]), int(speed["repeats"])
+    shape = parallel_context(max(ns), p, gen)
+    eng = _Engine(req, n_ctx=shape["n_ctx"], n_batch=shape["n_batch"], n_seq=max(ns), n_ubatch=shape["n_ubatch"])
+    eng.decode_seqs(np.arange(16) % eng.n_vocab, np.arange(16), np.zeros(16, np.int64),
+                    np.arange(16) == 15)  # warm-up, as llama-batched-bench's (16 tokens of sequence 0)
+    runs = {n: [_concurrent_run(eng, shape["n_batch"], prompts(pool, n, p), gen) for _ in range(repeats)] for n in ns}
+    settings = eng.settings(req)
+    eng.close()
+    return runs, settings
+
+
+def speed(req: dict[str, Any], pool: np.ndarray) -> dict[str, Any]:
+    """The speed result (evaluators.speed.speed_result) for the request's ``speed`` shape, prompts cut from
+    ``pool`` (the window ids)."""
+    s = req["speed"]
+    (prompt,) = prompts(pool, 1, int(s["prompt_tokens"]))
+    single, settings = _single_stream(req, prompt, int(s["gen_tokens"]), int(s["repeats"]))
+    parallel: dict[int, list[list[Seq]]] = {}
+    if s.get("parallel"):
+        parallel, par_settings = _parallel(req, pool, s)
+        settings = {**settings, "parallel_kv_cache": par_settings["kv_cache"]}
+    return speed_result(s, single, parallel, settings, tool="llama-cpp-python (low-level llama_decode)")
 
 
 def main() -> None:
@@ -204,17 +272,9 @@ def main() -> None:
                               "hardware": hardware(req["threads"])}
     if req.get("windows"):
         result["quality"] = _quality(req, out_dir)
-    speed = req.get("speed")
-    if speed:
-        ids, _ = load_windows(req["windows"]) if req.get("windows") else (np.arange(1, 600)[None], None)
-        flat = ids.reshape(-1).tolist()
-        prompt = (flat * (speed["prompt_tokens"] // max(1, len(flat)) + 1))[: speed["prompt_tokens"]]
-        result["speed"] = _single_stream(req, prompt, int(speed["gen_tokens"]), int(speed["repeats"]))
-        result["speed"]["prompt_tokens"] = len(prompt)
-        result["speed"]["gen_tokens"] = int(speed["gen_tokens"])
-        result["speed"]["repeats"] = int(speed["repeats"])
-        if speed.get("parallel"):
-            result["speed"]["parallel"] = _parallel(req, speed)
+    if req.get("speed"):
+        pool, _ = load_windows(req["windows"]) if req.get("windows") else (np.arange(1, 600)[None], None)
+        result["speed"] = speed(req, pool)
     write_result(out_dir, result)
 
 

@@ -14,7 +14,16 @@ import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, quality_request, run_engine, score
+from evaluators.base import (
+    EvalOutcome,
+    RunnerCommand,
+    probe_windows,
+    quality_request,
+    run_engine,
+    score,
+    speed_request,
+)
+from evaluators.speed import CPU_SCALED_SHAPE, SEED_SHAPE
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.cpu import cpu_compute_dtype, cpu_flags
@@ -25,26 +34,16 @@ from pipeline.specs import Engine, QuantFormat
 
 RUNNER = "evaluators.vllm.runner"
 
-#: The seed benchmark's shape, used on a GPU: 512 prompt tokens, 256 generated.
-GPU_SHAPE = {"prompt_tokens": 512, "gen_tokens": 256, "parallel_prompt_tokens": 512, "parallel_gen_tokens": 256}
-#: Upper bounds on CPU, where the GPU shape would take minutes per variant.
-CPU_CAPS = {"prompt_tokens": 128, "gen_tokens": 32, "parallel_prompt_tokens": 64, "parallel_gen_tokens": 32}
+#: The seed benchmark's shape, used on a GPU, and the caps on CPU: one definition for every engine
+#: (evaluators/speed.py).
+GPU_SHAPE = SEED_SHAPE
+CPU_CAPS = CPU_SCALED_SHAPE
 
 
 def speed_shape(spec: EvalSpec, accelerator: str) -> dict[str, Any] | None:
-    """The speed request: the seed benchmark's shape on a GPU, the eval spec capped by
-    :data:`CPU_CAPS` on CPU (recorded as ``shape``)."""
-    s = spec.speed
-    if not s.enabled:
-        return None
-    asked = {"prompt_tokens": s.prompt_tokens, "gen_tokens": s.gen_tokens,
-             "parallel_prompt_tokens": s.parallel_prompt_tokens, "parallel_gen_tokens": s.parallel_gen_tokens}
-    if accelerator == "cuda":
-        shape, label = dict(GPU_SHAPE), "gpu 512/256"
-    else:
-        shape = {k: min(v, CPU_CAPS[k]) for k, v in asked.items()}
-        label = f"cpu-scaled {shape['prompt_tokens']}/{shape['gen_tokens']} (GPU shape 512/256)"
-    return {**shape, "repeats": s.repeats, "parallel": list(s.parallel), "shape": label}
+    """The speed request (:func:`evaluators.base.speed_request`): the plan's shape (by default the seed
+    benchmark's) on a GPU, capped at :data:`CPU_CAPS` on CPU, labelled ``shape``."""
+    return speed_request(spec, accelerator)
 
 
 def _config(model: Path) -> dict[str, Any]:

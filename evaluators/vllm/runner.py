@@ -26,16 +26,22 @@ everything vLLM reported; the shared :class:`Collector` then computes target log
 top-K, tail and at-ref values as for every other engine. With ``full`` and ``token_ids`` nothing
 is estimated.
 
-Speed: time to first token and decode tok/s at batch 1 on a ``prompt_tokens`` prompt with
-``gen_tokens`` greedy tokens (``ignore_eos``), and aggregate tok/s at each ``parallel`` batch size.
-Prefix caching is off so repeats measure prefill. The evaluator passes the seed benchmark's shape
-(512 prompt / 256 output tokens) on a GPU and a smaller one on CPU, recorded in the result.
+Speed: the definitions of ``evaluators/speed.py``, from timestamps the runner records while it steps
+vLLM's engine (``LLMEngine.add_request`` then ``step`` until done, as ``LLM.generate`` does): batch 1 on a
+``prompt_tokens`` prompt generating ``gen_tokens`` greedy tokens (``ignore_eos``): time to first token,
+prompt tok/s, decode tok/s; N different ``parallel_prompt_tokens`` prompts submitted together for each N in
+``parallel``: aggregate generated tok/s, end to end. A token's time is the end of the engine step that
+returned it. Prefix caching is off so repeats measure prefill. The evaluator passes the seed benchmark's
+shape (512 prompt / 256 generated tokens) on a GPU and the CPU-scaled one on CPU; the result records the
+shape and the engine settings (dtype, 4-bit kernel, ``enforce_eager``, KV cache size and block size,
+threads).
 
 vLLM can abort at interpreter exit, so the runner writes its result, flushes and ``os._exit(0)``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -53,9 +59,9 @@ from evaluators.protocol import (
     load_ref_ids,
     load_windows,
     read_request,
-    stats,
     write_result,
 )
+from evaluators.speed import Seq, engine_settings, prompts, speed_result
 
 
 def engine_version() -> str:
@@ -321,51 +327,74 @@ def quality(llm: Any, req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 # --- speed --------------------------------------------------------------------------------------
 
 
-def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+_REQUEST_IDS = itertools.count()
+
+
+def _timed_generate(llm: Any, prompts_: list[list[int]], max_tokens: int) -> list[Seq]:
+    """Submit every prompt together (greedy, ``ignore_eos``, exactly ``max_tokens`` tokens each) and step the
+    engine to the end, as ``LLM.generate`` does, recording each request's timestamps: its first token and its
+    last arrive in the outputs of an engine step (``RequestOutputKind.DELTA``: the step's new tokens)."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0,
-                        detokenize=False)
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    return wall, sum(len(o.outputs[0].token_ids) for o in outs)
+                        detokenize=False, output_kind=RequestOutputKind.DELTA)
+    engine = llm.llm_engine
+    ids = [f"quantyard-speed-{next(_REQUEST_IDS)}" for _ in prompts_]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count = dict.fromkeys(ids, 0)
+    alias = {rid: rid for rid in ids}  # outputs carry our id; add_request returns vLLM's internal one
+    t_submit = time.perf_counter()
+    for rid, prompt in zip(ids, prompts_, strict=True):
+        alias[str(engine.add_request(rid, {"prompt_token_ids": prompt}, sp))] = rid
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            rid, new = alias[out.request_id], len(out.outputs[0].token_ids)
+            if new and rid not in first:
+                first[rid] = now
+            count[rid] += new
+            if out.finished:
+                last[rid] = now
+    return [Seq(t_submit, first[r], last[r], len(p), count[r]) for r, p in zip(ids, prompts_, strict=True)]
 
 
-def _prompts(pool: np.ndarray, n: int, length: int) -> list[list[int]]:
-    """``n`` different prompts of ``length`` ids cut from the window ids (no two identical)."""
-    flat = pool.reshape(-1)
-    reps = (length * (n + 1)) // max(1, flat.size) + 1
-    flat = np.tile(flat, reps)
-    return [flat[i * length:(i + 1) * length].tolist() for i in range(n)]
+def _settings(llm: Any, req: dict[str, Any], labels: dict[str, Any]) -> dict[str, Any]:
+    """The engine settings a speed result records (evaluators.speed.engine_settings)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    cfg = llm.llm_engine.vllm_config
+    cache, sched = cfg.cache_config, cfg.scheduler_config
+    eager = bool(cfg.model_config.enforce_eager)
+    kv = {"kv_cache_memory_bytes": getattr(cache, "kv_cache_memory_bytes", None) or req.get("kv_cache_bytes"),
+          "block_size": cache.block_size, "cache_dtype": str(cache.cache_dtype),
+          "num_blocks": getattr(cache, "num_gpu_blocks", None), "prefix_caching": bool(cache.enable_prefix_caching),
+          "max_model_len": cfg.model_config.max_model_len, "max_num_seqs": sched.max_num_seqs,
+          "max_num_batched_tokens": sched.max_num_batched_tokens}
+    graphs = f"n/a (CPU; enforce_eager={eager})" if current_platform.is_cpu() else \
+        f"{'off' if eager else 'on'} (enforce_eager={eager})"
+    return engine_settings(dtype=labels.get("dtype"), kernel=labels.get("wna16_kernel"), cuda_graphs=graphs,
+                           kv_cache=kv, threads={"requested": req.get("threads"),
+                                                 "torch_threads": torch.get_num_threads()})
 
 
-def speed(llm: Any, pool: np.ndarray, s: dict[str, Any]) -> dict[str, Any]:
+def speed(llm: Any, pool: np.ndarray, s: dict[str, Any], req: dict[str, Any] | None = None,
+          labels: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The speed result (evaluators.speed.speed_result) for the shape ``s``: batch 1 on one prompt, then N
+    different prompts submitted together for each N in ``parallel``, each ``repeats`` times; prefix caching is
+    off (make_llm), so every repeat prefills again."""
     p_len, gen, repeats = int(s["prompt_tokens"]), int(s["gen_tokens"]), int(s["repeats"])
-    (prompt,) = _prompts(pool, 1, p_len)
+    (prompt,) = prompts(pool, 1, p_len)
     _timed_generate(llm, [prompt[:16]], 2)  # warm-up
-    ttft, decode, pp = [], [], []
-    for _ in range(repeats):
-        first, _n = _timed_generate(llm, [prompt], 1)
-        full, produced = _timed_generate(llm, [prompt], gen)
-        ttft.append(first * 1000.0)
-        pp.append(p_len / first)
-        decode.append((produced - 1) / max(1e-9, full - first))
-    out: dict[str, Any] = {"ttft_ms": stats(ttft), "prompt_tok_per_s": stats(pp), "decode_tok_per_s": stats(decode),
-                           "prompt_tokens": p_len, "gen_tokens": gen, "repeats": repeats,
-                           "shape": s.get("shape", "requested")}
-    rows = {}
+    single = [_timed_generate(llm, [prompt], gen)[0] for _ in range(repeats)]
     pp_len, pgen = int(s["parallel_prompt_tokens"]), int(s["parallel_gen_tokens"])
-    for n in s.get("parallel") or ():
-        walls, tokens = [], 0
-        for _ in range(repeats):
-            wall, tokens = _timed_generate(llm, _prompts(pool, int(n), pp_len), pgen)
-            walls.append(wall)
-        rows[str(n)] = {"aggregate_tok_per_s": tokens / float(np.median(walls)), "wall_s": stats(walls),
-                        "prompt_tokens": pp_len, "gen_tokens": pgen}
-    if rows:
-        out["parallel"] = {"by_parallel": rows, "tool": "vllm LLM.generate"}
-    return out
+    parallel = {int(n): [_timed_generate(llm, prompts(pool, int(n), pp_len), pgen) for _ in range(repeats)]
+                for n in s.get("parallel") or ()}
+    return speed_result(s, single, parallel, _settings(llm, req or {}, labels or {}),
+                        tool="vllm LLMEngine (add_request, step)")
 
 
 def main() -> None:
@@ -386,7 +415,7 @@ def main() -> None:
         result["quality"] = {**quality(llm, req, out_dir), **labels}
     if req.get("speed"):
         pool, _ = load_windows(req["windows"]) if req.get("windows") else (np.arange(3, 1000)[None], None)
-        result["speed"] = speed(llm, pool, req["speed"])
+        result["speed"] = speed(llm, pool, req["speed"], req, labels)
         result["speed"]["engine_start_s"] = start.s
         result["speed"].update(labels)
     write_result(out_dir, result)

@@ -14,6 +14,7 @@ import pytest
 from evaluators.base import RunnerCommand, load_arrays, run_runner
 from evaluators.llamacpp.evaluator import LlamaCppEvaluator
 from evaluators.metrics import compare
+from evaluators.speed import DEFINITIONS
 from evaluators.windows import WindowSet
 from pipeline.config import Settings
 from pipeline.errors import EngineError
@@ -46,7 +47,11 @@ def test_speed_is_recorded_with_hardware(demo_registry_template: dict) -> None:
     for key in ("prompt_tok_per_s", "decode_tok_per_s", "ttft_ms"):
         assert m[key]["median"] > 0 and m[key]["min"] <= m[key]["median"] <= m[key]["max"]
     assert set(m["parallel"]["by_parallel"]) == {"1", "4"}, m["parallel"]
-    assert m["parallel"]["by_parallel"]["4"]["aggregate_tok_per_s"] > 0
+    assert m["parallel"]["by_parallel"]["4"]["aggregate_tok_per_s"]["median"] > 0
+    assert m["definitions"] == DEFINITIONS and m["shape"] == "cpu-scaled" and m["gen_tokens"] == 32
+    kv = m["engine_settings"]["kv_cache"]
+    assert kv["type_k"] == kv["type_v"] == "f16" and kv["n_ctx"] >= m["prompt_tokens"] + m["gen_tokens"]
+    assert m["engine_settings"]["threads"]["n_threads"] == 2 and m["engine_settings"]["cuda_graphs"] == "n/a (CPU)"
     assert speed.hardware["cores"] and speed.hardware["threads"] == 2 and speed.hardware["cpu"]
     assert "llama-cpp-python 0.3.36" in speed.engine_version
 

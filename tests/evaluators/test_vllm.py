@@ -71,9 +71,9 @@ def test_dense_rows_keep_known_values_and_spread_the_rest() -> None:
 
 
 def test_speed_shape_gpu_is_the_seed_benchmark_cpu_is_capped() -> None:
-    spec = EvalSpec(speed=SpeedSpec(prompt_tokens=512, gen_tokens=128))
+    spec = EvalSpec()
     gpu = speed_shape(spec, "cuda")
-    assert gpu is not None and {k: gpu[k] for k in GPU_SHAPE} == GPU_SHAPE and gpu["shape"].startswith("gpu")
+    assert gpu is not None and {k: gpu[k] for k in GPU_SHAPE} == GPU_SHAPE and gpu["shape"] == "seed"
     cpu = speed_shape(spec, "cpu")
     assert cpu is not None and all(cpu[k] <= CPU_CAPS[k] for k in CPU_CAPS) and "cpu-scaled" in cpu["shape"]
     assert speed_shape(EvalSpec(speed=SpeedSpec(enabled=False)), "cpu") is None
