@@ -6,7 +6,8 @@ pipeline/real_model.py), on the same machine and threads: Quantyard's llama.cpp 
 (batch 1: pp, tg at the prompt's depth, TTFT = the prompt's time) and ``llama-batched-bench`` (aggregate
 generated tok/s at N concurrent sequences, end to end), converted as evaluators/speed.py defines
 (evaluators/llamacpp/reference_tools.py). The sides run interleaved, ``--rounds`` times with ``--repeats``
-each; every figure is the median of the rounds' medians, and the ratio is ours / theirs.
+each; every figure is the median of the rounds' medians, and the ratio is the median of the rounds' ratios
+(ours / theirs of each round, measured back to back: pairing cancels the machine's slow drifts).
 
 Usage: python bench/speed_crosscheck.py [--types Q8_0,Q4_K_M,Q2_K] [--real] [--rounds 3] [--repeats 5]
        [--parallel 1,8,32]
@@ -67,7 +68,7 @@ def header(args: argparse.Namespace, cfg: Settings, shape: dict[str, Any]) -> li
             f"# shape: {shape['shape']} — batch 1: {shape['prompt_tokens']} prompt / {shape['gen_tokens']} generated; "
             f"N={','.join(map(str, shape['parallel']))}: {shape['parallel_prompt_tokens']} / "
             f"{shape['parallel_gen_tokens']}; {args.rounds} interleaved rounds × {args.repeats} repeats, "
-            "median of the rounds' medians; ratio = Quantyard / llama.cpp tool"]
+            "median of the rounds' medians; ratio = median over rounds of Quantyard / llama.cpp tool"]
 
 
 def main() -> None:
@@ -89,14 +90,16 @@ def main() -> None:
         from flows.steps import real_checkpoint
 
         models["smollm2-135m"] = real_checkpoint(cfg)
-    print(f"{'model':<14} {'variant':<8} {'metric':<28} {'Quantyard':>11} {'llama.cpp':>11} {'ratio':>7}  tool")
+    print(f"{'model':<14} {'variant':<8} {'metric':<28} {'Quantyard':>11} {'llama.cpp':>11} {'ratio':>7}  "
+          f"{'per-round ratios':<22} tool")
     with tempfile.TemporaryDirectory() as tmp:
         for name, checkpoint in models.items():
             for t, gguf in build_ggufs(cfg, checkpoint, name, args.types.split(","), Path(tmp)).items():
-                for metric, ours, theirs in crosscheck(cfg, gguf, spec, args.rounds, Path(tmp) / f"{name}-{t}-runs"):
-                    tool = "llama-batched-bench" if "aggregate" in metric else "llama-bench"
-                    print(f"{name:<14} {t:<8} {metric:<28} {ours:>11,.1f} {theirs:>11,.1f} {ours / theirs:>7.3f}  "
-                          f"{tool}", flush=True)
+                for row in crosscheck(cfg, gguf, spec, args.rounds, Path(tmp) / f"{name}-{t}-runs"):
+                    tool = "llama-batched-bench" if "aggregate" in row["metric"] else "llama-bench"
+                    each = " ".join(f"{x:.2f}" for x in row["ratios"])
+                    print(f"{name:<14} {t:<8} {row['metric']:<28} {row['ours']:>11,.1f} {row['theirs']:>11,.1f} "
+                          f"{row['ratio']:>7.3f}  {each:<22} {tool}", flush=True)
     print(f"# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

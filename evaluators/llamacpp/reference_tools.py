@@ -97,39 +97,50 @@ def batched_bench(tools: LlamaCppToolchain, model: Path, *, parallel: list[int],
                       stderr_tail=res.stdout[-1000:] + res.stderr[-1000:])
 
 
-def _med(xs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(float(x[key]["median"]) for x in xs)
+def _metrics(ours: dict[str, Any], bench: dict[str, Any], batched: dict[str, Any],
+             parallel: tuple[int, ...]) -> dict[str, tuple[float, float]]:
+    """``{metric: (Quantyard, llama.cpp tool)}`` of one round (each figure the median of its repeats)."""
+    def med(x: dict[str, Any], key: str) -> float:
+        return float(x[key]["median"])
+
+    out = {"pp tok/s": (med(ours, "prompt_tok_per_s"), med(bench, "prompt_tok_per_s")),
+           "tg tok/s": (med(ours, "decode_tok_per_s"), med(bench, "decode_tok_per_s")),
+           "TTFT ms": (med(ours, "ttft_ms"), 1000.0 * ours["prompt_tokens"] / med(bench, "prompt_tok_per_s"))}
+    for n in map(str, parallel):
+        mine, theirs = ours["parallel"]["by_parallel"][n], batched["by_parallel"][n]
+        out[f"aggregate tok/s N={n}"] = (med(mine, "aggregate_tok_per_s"), med(theirs, "aggregate_tok_per_s"))
+        out[f"decode-only aggregate N={n}"] = (med(mine, "decode_aggregate_tok_per_s"),
+                                               med(theirs, "decode_aggregate_tok_per_s"))
+    return out
 
 
-def crosscheck(settings: Settings, model: Path, spec: EvalSpec, rounds: int,
-               work: Path) -> list[tuple[str, float, float]]:
-    """``(metric, Quantyard, llama.cpp tool)`` for one GGUF: the evaluator's ``measure_speed`` with ``spec``, then
-    llama-bench and llama-batched-bench at the shape it ran, interleaved ``rounds`` times; each figure is the
-    median of the rounds' medians. Metrics: ``pp`` and ``tg`` tok/s, TTFT (llama.cpp's: the prompt's time,
-    prompt tokens / its pp rate), then per N the aggregate and decode-only aggregate tok/s.
+def crosscheck(settings: Settings, model: Path, spec: EvalSpec, rounds: int, work: Path) -> list[dict[str, Any]]:
+    """Quantyard's llama.cpp speed of one GGUF beside llama.cpp's tools: the evaluator's ``measure_speed`` with
+    ``spec``, then llama-bench and llama-batched-bench at the shape it ran, back to back, ``rounds`` times.
+
+    Returns one row per metric (``pp tok/s``, ``tg tok/s``, ``TTFT ms`` — llama.cpp's being the prompt's time,
+    prompt tokens / its pp rate —, then per N ``aggregate tok/s`` and ``decode-only aggregate``): ``ours`` and
+    ``theirs`` (medians over the rounds of each round's median), ``ratios`` (ours / theirs of each round) and
+    ``ratio`` (their median: pairing cancels the machine's slow drifts).
 
     Raises:
         EngineError: a side failed.
     """
     tools = llama_cpp_toolchain(settings)
-    repeats, threads = spec.speed.repeats, settings.threads
-    ours, bench, batched = [], [], []
+    s, threads = spec.speed, settings.threads
+    per_round = []
     for r in range(rounds):
-        got, _, _ = LlamaCppEvaluator().measure_speed(model, spec=spec, out_dir=work / f"ours{r}", settings=settings)
-        ours.append(got)
-        bench.append(llama_bench(tools, model, prompt_tokens=got["prompt_tokens"], gen_tokens=got["gen_tokens"],
-                                 repeats=repeats, threads=threads))
-        batched.append(batched_bench(tools, model, parallel=list(spec.speed.parallel), repeats=repeats,
-                                     prompt_tokens=got["parallel_prompt_tokens"],
-                                     gen_tokens=got["parallel_gen_tokens"], threads=threads))
-    p = ours[0]["prompt_tokens"]
-    rows = [("pp tok/s", _med(ours, "prompt_tok_per_s"), _med(bench, "prompt_tok_per_s")),
-            ("tg tok/s", _med(ours, "decode_tok_per_s"), _med(bench, "decode_tok_per_s")),
-            ("TTFT ms", _med(ours, "ttft_ms"), 1000.0 * p / _med(bench, "prompt_tok_per_s"))]
-    for n in map(str, spec.speed.parallel):
-        mine = [o["parallel"]["by_parallel"][n] for o in ours]
-        theirs = [b["by_parallel"][n] for b in batched]
-        rows += [(f"aggregate tok/s N={n}", _med(mine, "aggregate_tok_per_s"), _med(theirs, "aggregate_tok_per_s")),
-                 (f"decode-only aggregate N={n}", _med(mine, "decode_aggregate_tok_per_s"),
-                  _med(theirs, "decode_aggregate_tok_per_s"))]
+        ours, _, _ = LlamaCppEvaluator().measure_speed(model, spec=spec, out_dir=work / f"ours{r}", settings=settings)
+        bench = llama_bench(tools, model, prompt_tokens=ours["prompt_tokens"], gen_tokens=ours["gen_tokens"],
+                            repeats=s.repeats, threads=threads)
+        batched = batched_bench(tools, model, parallel=list(s.parallel), prompt_tokens=ours["parallel_prompt_tokens"],
+                                gen_tokens=ours["parallel_gen_tokens"], repeats=s.repeats, threads=threads)
+        per_round.append(_metrics(ours, bench, batched, s.parallel))
+    rows = []
+    for metric in per_round[0]:
+        pairs = [r[metric] for r in per_round]
+        ratios = [a / b for a, b in pairs]
+        rows.append({"metric": metric, "ours": statistics.median(a for a, _ in pairs),
+                     "theirs": statistics.median(b for _, b in pairs), "ratio": statistics.median(ratios),
+                     "ratios": ratios})
     return rows
