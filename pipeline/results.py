@@ -106,7 +106,7 @@ class VariantOutcome(BaseModel):
     engine: str | None = None
     engine_version: str | None = None
     window_set_id: str | None = None  # of ``quality``
-    speed_engine: str | None = None  # of ``speed``, when it differs from ``engine``
+    speed_engine: str | None = None  # the engine of ``speed``
     cross_checks: list[CrossCheck] = Field(default_factory=list)
     eval_status: str | None = None  # ok | failed | skipped | reused
     eval_error: str | None = None

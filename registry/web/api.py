@@ -127,8 +127,11 @@ def get_model(request: Request, reg: Reg, model: str) -> Response:
 
 @router.get("/models/{model:qmodel}/-/table", response_model=list[Row])
 def model_table(request: Request, reg: Reg, model: str) -> Response:
-    """The comparison table of a model: the latest version of every variant, metrics on one scale,
-    and why a metric is missing."""
+    """The comparison table of a model: the latest version of every variant, metrics on one scale and
+    unrounded, and why a metric is missing. ``kld`` is only the exact full-vocabulary KLD (a top-K bound is
+    ``kld_lower_bound``, an estimate ``kld_estimate``; ``kld_kind`` says which); the format's own engine's
+    results come first and other engines' are ``cross_checks``; ``engine_role``, ``speed_kernel`` and
+    ``marks`` say what is a stand-in."""
     return cached_json(request, reg, lambda: [row_from_summary(s) for s in reg.variant_summaries(model)])
 
 
