@@ -58,7 +58,7 @@ def judge(report: ConvertReport, recipe: Recipe, settings: Settings) -> list[Ver
         if not out.quality or out.ref is None:
             continue
         version = reg.get_version(out.ref)
-        limits = policy.limits_for(out.variant, quant_class(out.format, version.spec))
+        limits = policy.limits_for(out.variant, quant_class(out.format, version.spec), version.spec.get("type"))
         problems = limits.problems(out.quality)
         verdict = Verdict(variant=out.variant, ref=out.ref, passed=not problems, problems=problems)
         if verdict.passed and recipe.policy.promote and version.state == "candidate":

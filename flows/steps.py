@@ -213,17 +213,22 @@ def calibration_text(resolved: Resolved, path: str | None = None) -> tuple[str, 
     return pick_calibration_text(resolved.checkpoint.path, path)
 
 
+def window_set_key(text_sha: str, spec: EvalSpec) -> str:
+    """Registry key of a window set: the text's sha256 and how it is cut into windows."""
+    fields: dict[str, Any] = {"text": text_sha, "window": spec.window, "stride": spec.stride,
+                              "max_windows": spec.max_windows}
+    if spec.score_from != 1:  # only when set, so registries made before the option keep their keys
+        fields["score_from"] = spec.score_from
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
 def ensure_window_set(settings: Settings, resolved: Resolved, spec: EvalSpec) -> tuple[Path, dict[str, Any], bool]:
     """The window set for this source and settings, from the registry or built and registered now.
 
     Returns (path to the npz in the blob store, its metadata, whether it was built now).
     """
     text, origin = eval_text(spec, resolved)
-    fields: dict[str, Any] = {"text": text_sha256(text), "window": spec.window,
-                               "stride": spec.stride, "max_windows": spec.max_windows}
-    if spec.score_from != 1:  # only when set, so registries made before the option keep their keys
-        fields["score_from"] = spec.score_from
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    key = window_set_key(text_sha256(text), spec)
     reg = open_registry(settings)
     found = reg.find_source_artifact(resolved.source, "window_set", key)
     if found is not None:

@@ -42,7 +42,7 @@ from pipeline.plan import (
     parse_split_size,
     variants_from_flags,
 )
-from pipeline.policy import DEFAULT_CLASSES, Policy, QualityLimits
+from pipeline.policy import Policy, QualityLimits, build_policy
 from pipeline.specs import EXL2Spec, Frozen
 
 
@@ -92,15 +92,12 @@ class RecipePolicy(Frozen):
     every passing new version from candidate to validated."""
 
     classes: dict[str, QualityLimits] = Field(default_factory=dict)
+    types: dict[str, QualityLimits] = Field(default_factory=dict)
     overrides: dict[str, QualityLimits] = Field(default_factory=dict)
     promote: bool = False
 
     def policy(self) -> Policy:
-        classes = dict(DEFAULT_CLASSES)
-        for name, limits in self.classes.items():
-            base = classes.get(name, QualityLimits()).model_dump()
-            classes[name] = QualityLimits(**{**base, **limits.model_dump(exclude_none=True)})
-        return Policy(classes=classes, overrides=dict(self.overrides))
+        return build_policy(self.classes, self.types, self.overrides)
 
 
 class Placement(Frozen):

@@ -120,13 +120,15 @@ def test_speed_gate(demo_registry: Path, target_speed: float, hardware_change: d
 
 
 def test_policy_file_overrides(tmp_path: Path) -> None:
-    from pipeline.policy import load_policy, quant_class
+    from pipeline.policy import DEFAULT_CLASSES, load_policy, quant_class
 
     p = tmp_path / "policy.yaml"
     p.write_text("classes:\n  Q4: {max_kld: 0.0001}\n"
                  "overrides:\n  Q8_0: {max_kld: 0.5}\nspeed: {max_slowdown_pct: 3}\n")
     pol = load_policy(p)
-    assert pol.limits_for("Q4_K_M", "Q4").max_kld == 0.0001 and pol.limits_for("Q4_K_M", "Q4").min_top1 == 0.85
+    # a class the file sets governs its types: Q4_K_M's published default gives way to it
+    q4 = pol.limits_for("Q4_K_M", "Q4", "Q4_K_M")
+    assert q4.max_kld == 0.0001 and q4.min_top1 == DEFAULT_CLASSES["Q4"].min_top1
     assert pol.limits_for("Q8_0", "Q8").max_kld == 0.5 and pol.speed.max_slowdown_pct == 3
     assert [quant_class("gguf", {"type": t}) for t in ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "Q3_K_L",
                                                         "Q2_K", "IQ1_S", "F16")] == \

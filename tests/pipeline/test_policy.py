@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from pipeline.policy import DEFAULT_CLASSES, QualityLimits, quant_class
+import pytest
+
+from pipeline.policy import DEFAULT_CLASSES, DEFAULT_TYPES, PUBLISHED, Policy, QualityLimits, quant_class
+from pipeline.results import KLD_EXACT as EXACT
 
 
 def test_limits_pass_fail_and_never_pass_on_a_missing_metric() -> None:
     limits = QualityLimits(max_kld=0.05, max_delta_ppl_pct=5.0, min_top1=0.85)
-    good = {"kld_mean": 0.04, "delta_ppl_pct": 4.9, "top1_agreement": 0.9}
+    good = {"kld_mean": 0.04, "kld_method": EXACT, "delta_ppl_pct": 4.9, "top1_agreement": 0.9}
     assert limits.problems(good) == []
-    bad = {"kld_mean": 0.06, "delta_ppl_pct": 4.9, "top1_agreement": 0.8}
+    bad = {"kld_mean": 0.06, "kld_method": EXACT, "delta_ppl_pct": 4.9, "top1_agreement": 0.8}
     assert limits.problems(bad) == ["kld_mean 0.06 > max_kld 0.05", "top1_agreement 0.8 < min_top1 0.85"]
-    assert limits.problems({"kld_mean": 0.01, "top1_agreement": 0.99}) == [
+    assert limits.problems({"kld_mean": 0.01, "kld_method": EXACT, "top1_agreement": 0.99}) == [
         "delta_ppl_pct missing (needed by max_delta_ppl_pct 5)"]
     assert QualityLimits(max_kld=0.05).problems({}) == ["kld_mean missing (needed by max_kld 0.05)"]
     assert QualityLimits().problems({}) == []  # no limit set: nothing to check
@@ -23,3 +26,45 @@ def test_every_class_a_spec_can_fall_in_has_default_limits() -> None:
     classes |= {quant_class("awq", {"bits": b}) for b in (4, 8)}
     classes |= {quant_class("exl2", {"bpw": b}) for b in (2.0, 3.0, 4.0, 5.0, 6.0, 8.0)}
     assert classes <= set(DEFAULT_CLASSES)
+
+
+def test_a_cheaper_or_older_kld_never_passes_a_gate_on_the_exact_one() -> None:
+    """A top-K lower bound (the cheaper mode), and a kld_mean stored before exact KLD (a top-32 bound), fail a
+    max_kld gate however small they are, and the message says why."""
+    limits = QualityLimits(max_kld=0.05)
+    bound = {"kld_topk_lower_bound_mean": 0.001, "kld_method": "top32-lower-bound"}
+    legacy = {"kld_mean": 0.001}
+    for quality in (bound, legacy):
+        (problem,) = limits.problems(quality)
+        assert "exact full-vocabulary KLD" in problem and "0.001" in problem
+    assert limits.problems({"kld_mean": 0.001, "kld_method": EXACT}) == []
+
+
+def test_gate_lines_show_the_interval_and_say_when_it_straddles_the_limit() -> None:
+    limits = QualityLimits(max_kld=0.05, max_delta_ppl_pct=5.0)
+    q = {"kld_mean": 0.045, "kld_method": EXACT, "kld_ci95_low": 0.040, "kld_ci95_high": 0.052,
+         "delta_ppl_pct": 2.0, "delta_ppl_pct_ci95_low": 1.5, "delta_ppl_pct_ci95_high": 2.6}
+    kld, dppl = limits.lines(q)
+    assert kld == "kld_mean 0.045 [95 % CI 0.04–0.052] ≤ 0.05: ok (inconclusive: the limit lies inside the interval)"
+    assert dppl == "delta_ppl_pct 2 [95 % CI 1.5–2.6] ≤ 5: ok"
+
+
+def test_default_limits_are_the_published_llama3_figures_with_a_margin() -> None:
+    """1.25 × llama.cpp's LLaMA 3 8B scoreboard, rounded up to two digits: Q4_K_M 0.031273 → 0.04; a class
+    takes its worst published type (Q4: q4_0 0.07194 → 0.09)."""
+    assert DEFAULT_TYPES["Q4_K_M"].max_kld == 0.04 and DEFAULT_TYPES["Q8_0"].max_kld == 0.0017
+    assert DEFAULT_CLASSES["Q4"].max_kld == 0.09
+    for name, (kld, dppl) in PUBLISHED.items():
+        assert kld * 1.25 <= DEFAULT_TYPES[name].max_kld < kld * 1.25 * 1.1, name
+        assert dppl * 1.25 <= DEFAULT_TYPES[name].max_delta_ppl_pct < dppl * 1.25 * 1.1 + 0.01, name
+    # more bits, tighter limits
+    order = ["F16", "Q8", "Q6", "Q5", "Q4", "Q3", "Q2"]
+    klds = [DEFAULT_CLASSES[c].max_kld for c in order]
+    assert klds == sorted(klds)
+
+
+@pytest.mark.parametrize(("variant", "cls", "qtype", "expected"), [
+    ("Q4_K_M", "Q4", "Q4_K_M", 0.04), ("i1-IQ4_XS", "Q4", "IQ4_XS", 0.046), ("AWQ-W4-G128-asym", "Q4", None, 0.09)])
+def test_limits_by_type_then_class(variant: str, cls: str, qtype: str | None, expected: float) -> None:
+    assert Policy().limits_for(variant, cls, qtype).max_kld == expected
+    assert Policy(overrides={variant: QualityLimits(max_kld=1.0)}).limits_for(variant, cls, qtype).max_kld == 1.0
