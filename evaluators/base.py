@@ -156,7 +156,7 @@ def speed_request(spec: EvalSpec, accelerator: str) -> dict[str, Any] | None:
     s = spec.speed
     if not s.enabled:
         return None
-    return resolve_shape(s.model_dump(include={"repeats", "parallel", *SHAPE_KEYS}), accelerator)
+    return resolve_shape(s.model_dump(include={"repeats", "parallel", "cpu_scaled", *SHAPE_KEYS}), accelerator)
 
 
 def probe_windows(folder: Path) -> Path:

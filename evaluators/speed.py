@@ -152,14 +152,15 @@ def concurrent(runs: Sequence[Sequence[Seq]]) -> dict[str, Any]:
 
 def resolve_shape(asked: dict[str, Any], accelerator: str) -> dict[str, Any]:
     """The speed request for an engine on ``accelerator`` (``cuda`` or ``cpu``) from ``asked`` (a SpeedSpec's
-    ``prompt_tokens``, ``gen_tokens``, ``parallel_prompt_tokens``, ``parallel_gen_tokens``, ``repeats`` and
-    ``parallel``): the tokens as asked on a GPU, capped at :data:`CPU_SCALED_SHAPE` on CPU. ``shape`` labels
-    it: ``seed`` (equal to :data:`SEED_SHAPE`), ``cpu-scaled`` (on CPU, anything else) or ``custom`` (a GPU
-    shape other than the seed's)."""
+    ``prompt_tokens``, ``gen_tokens``, ``parallel_prompt_tokens``, ``parallel_gen_tokens``, ``repeats``,
+    ``parallel`` and ``cpu_scaled``): the tokens as asked on a GPU, capped at :data:`CPU_SCALED_SHAPE` on CPU
+    (unless ``cpu_scaled`` is false). ``shape`` labels it: ``seed`` (equal to :data:`SEED_SHAPE`),
+    ``cpu-scaled`` (capped on CPU: anything else) or ``custom`` (any other shape run as asked)."""
     tokens = {k: int(asked[k]) for k in SHAPE_KEYS}
-    if accelerator != "cuda":
+    scaled = accelerator != "cuda" and bool(asked.get("cpu_scaled", True))
+    if scaled:
         tokens = {k: min(v, CPU_SCALED_SHAPE[k]) for k, v in tokens.items()}
-    label = "seed" if tokens == SEED_SHAPE else "custom" if accelerator == "cuda" else "cpu-scaled"
+    label = "seed" if tokens == SEED_SHAPE else "cpu-scaled" if scaled else "custom"
     return {**tokens, "repeats": int(asked["repeats"]), "parallel": [int(n) for n in asked["parallel"]],
             "shape": label, "accelerator": accelerator}
 

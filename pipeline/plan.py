@@ -33,8 +33,9 @@ SPLIT_SIZE_PATTERN = r"^[0-9]+[MG]$"
 class SpeedSpec(Frozen):
     """The speed measurement (definitions: evaluators/speed.py). The defaults are the seed benchmark's shape,
     512 prompt / 256 generated tokens, run as such on a GPU; on CPU each engine's request is capped at
-    ``evaluators.speed.CPU_SCALED_SHAPE`` and labelled ``cpu-scaled``. Generated tokens include the first
-    (from the prefill), so decode tok/s needs at least 2."""
+    ``evaluators.speed.CPU_SCALED_SHAPE`` and labelled ``cpu-scaled``, unless ``cpu_scaled`` is off (the shape
+    as asked on CPU too). Generated tokens include the first (from the prefill), so decode tok/s needs at
+    least 2."""
 
     enabled: bool = True
     repeats: int = Field(default=3, ge=1)
@@ -43,6 +44,7 @@ class SpeedSpec(Frozen):
     parallel: tuple[int, ...] = (1, 8, 32)
     parallel_prompt_tokens: int = Field(default=512, ge=1)
     parallel_gen_tokens: int = Field(default=256, ge=2)
+    cpu_scaled: bool = True
 
 
 class EvalSpec(Frozen):

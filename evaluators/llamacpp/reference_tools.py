@@ -97,20 +97,33 @@ def batched_bench(tools: LlamaCppToolchain, model: Path, *, parallel: list[int],
                       stderr_tail=res.stdout[-1000:] + res.stderr[-1000:])
 
 
-def _metrics(ours: dict[str, Any], bench: dict[str, Any], batched: dict[str, Any],
-             parallel: tuple[int, ...]) -> dict[str, tuple[float, float]]:
-    """``{metric: (Quantyard, llama.cpp tool)}`` of one round (each figure the median of its repeats)."""
-    def med(x: dict[str, Any], key: str) -> float:
-        return float(x[key]["median"])
+#: Per metric: (its key in Quantyard's result, in the tool's converted result, where per N), and whether
+#: more is better (rates) or less (TTFT).
+METRICS: dict[str, tuple[str, bool]] = {"pp tok/s": ("prompt_tok_per_s", True), "tg tok/s": ("decode_tok_per_s", True),
+                                        "TTFT ms": ("ttft_ms", False)}
+PARALLEL_METRICS: dict[str, tuple[str, bool]] = {"aggregate tok/s": ("aggregate_tok_per_s", True),
+                                                 "decode-only aggregate": ("decode_aggregate_tok_per_s", True)}
 
-    out = {"pp tok/s": (med(ours, "prompt_tok_per_s"), med(bench, "prompt_tok_per_s")),
-           "tg tok/s": (med(ours, "decode_tok_per_s"), med(bench, "decode_tok_per_s")),
-           "TTFT ms": (med(ours, "ttft_ms"), 1000.0 * ours["prompt_tokens"] / med(bench, "prompt_tok_per_s"))}
+
+def _pick(x: dict[str, Any], key: str, higher: bool) -> tuple[float, float]:
+    """(median, best) of a stats entry: best is the max of a rate, the min of a time."""
+    return float(x[key]["median"]), float(x[key]["max" if higher else "min"])
+
+
+def _metrics(ours: dict[str, Any], bench: dict[str, Any], batched: dict[str, Any],
+             parallel: tuple[int, ...]) -> dict[str, tuple[tuple[float, float], tuple[float, float], bool]]:
+    """``{metric: ((ours median, ours best), (theirs median, theirs best), higher is better)}`` of one round."""
+    out = {}
+    for name, (key, higher) in METRICS.items():
+        theirs = _pick(bench, key, higher)
+        if key == "ttft_ms":  # llama.cpp's TTFT: the prompt's time, prompt tokens / its pp rate
+            pp = _pick(bench, "prompt_tok_per_s", True)
+            theirs = (1000.0 * ours["prompt_tokens"] / pp[0], 1000.0 * ours["prompt_tokens"] / pp[1])
+        out[name] = (_pick(ours, key, higher), theirs, higher)
     for n in map(str, parallel):
-        mine, theirs = ours["parallel"]["by_parallel"][n], batched["by_parallel"][n]
-        out[f"aggregate tok/s N={n}"] = (med(mine, "aggregate_tok_per_s"), med(theirs, "aggregate_tok_per_s"))
-        out[f"decode-only aggregate N={n}"] = (med(mine, "decode_aggregate_tok_per_s"),
-                                               med(theirs, "decode_aggregate_tok_per_s"))
+        mine, tool = ours["parallel"]["by_parallel"][n], batched["by_parallel"][n]
+        for name, (key, higher) in PARALLEL_METRICS.items():
+            out[f"{name} N={n}"] = (_pick(mine, key, higher), _pick(tool, key, higher), higher)
     return out
 
 
@@ -119,9 +132,13 @@ def crosscheck(settings: Settings, model: Path, spec: EvalSpec, rounds: int, wor
     ``spec``, then llama-bench and llama-batched-bench at the shape it ran, back to back, ``rounds`` times.
 
     Returns one row per metric (``pp tok/s``, ``tg tok/s``, ``TTFT ms`` — llama.cpp's being the prompt's time,
-    prompt tokens / its pp rate —, then per N ``aggregate tok/s`` and ``decode-only aggregate``): ``ours`` and
-    ``theirs`` (medians over the rounds of each round's median), ``ratios`` (ours / theirs of each round) and
-    ``ratio`` (their median: pairing cancels the machine's slow drifts).
+    prompt tokens / its pp rate —, then per N ``aggregate tok/s`` and ``decode-only aggregate``):
+
+    * ``ours``, ``theirs``: medians over the rounds of each round's median; ``ratios``: ours / theirs of each
+      round; ``ratio``: their median (pairing cancels slow drifts of the machine's load);
+    * ``best_ours``, ``best_theirs``: the best repetition of all rounds (the highest rate, the shortest TTFT);
+      ``best_ratio``: theirs. Foreign load only ever slows a run down, so on a shared machine the best of many
+      repetitions is each side's least disturbed figure.
 
     Raises:
         EngineError: a side failed.
@@ -137,10 +154,13 @@ def crosscheck(settings: Settings, model: Path, spec: EvalSpec, rounds: int, wor
                                 gen_tokens=ours["parallel_gen_tokens"], repeats=s.repeats, threads=threads)
         per_round.append(_metrics(ours, bench, batched, s.parallel))
     rows = []
-    for metric in per_round[0]:
-        pairs = [r[metric] for r in per_round]
-        ratios = [a / b for a, b in pairs]
-        rows.append({"metric": metric, "ours": statistics.median(a for a, _ in pairs),
-                     "theirs": statistics.median(b for _, b in pairs), "ratio": statistics.median(ratios),
-                     "ratios": ratios})
+    for metric, (_, _, higher) in per_round[0].items():
+        got = [r[metric] for r in per_round]
+        best = max if higher else min
+        ratios = [o[0] / t[0] for o, t, _ in got]
+        best_ours, best_theirs = best(o[1] for o, _, _ in got), best(t[1] for _, t, _ in got)
+        rows.append({"metric": metric, "ours": statistics.median(o[0] for o, _, _ in got),
+                     "theirs": statistics.median(t[0] for _, t, _ in got), "ratio": statistics.median(ratios),
+                     "ratios": ratios, "best_ours": best_ours, "best_theirs": best_theirs,
+                     "best_ratio": best_ours / best_theirs})
     return rows

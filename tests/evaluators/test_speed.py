@@ -66,6 +66,8 @@ def test_shape_is_the_seed_on_gpu_and_scaled_on_cpu_for_every_engine() -> None:
     custom = speed_request(EvalSpec(speed=SpeedSpec(gen_tokens=128)), "cuda")
     assert custom is not None and custom["shape"] == "custom" and custom["gen_tokens"] == 128
     assert speed_request(EvalSpec(speed=SpeedSpec(enabled=False)), "cpu") is None
+    unscaled = speed_request(EvalSpec(speed=SpeedSpec(cpu_scaled=False)), "cpu")
+    assert unscaled is not None and unscaled["shape"] == "seed" and unscaled["gen_tokens"] == 256
 
 
 def test_comparable_names_what_differs() -> None:

@@ -3,8 +3,13 @@ threads, in the same test: llama-bench for batch 1 (prompt tok/s, decode tok/s a
 the prompt's time) and llama-batched-bench for N concurrent sequences, their numbers converted to Quantyard's
 definitions (evaluators/speed.py, evaluators/llamacpp/reference_tools.py).
 
-The two sides run back to back, ``ROUNDS`` times, each measuring ``REPEATS`` times; what is compared is the median
-over the rounds of ours / theirs (each side's median of its repeats). ``TOLERANCE``: see :data:`TOLERANCE`.
+The two sides run back to back, ``ROUNDS`` times, each measuring ``REPEATS`` times, at the CPU-scaled shape the
+product records (128 prompt / 32 generated tokens; N = 1 and 8 at 64 / 32). What is compared is each side's best
+repetition (the highest rate, the shortest TTFT): foreign load only ever slows a run down, so on a shared
+machine the best of 40 repetitions is each side's least disturbed figure, where the medians follow the other
+jobs' load (see :data:`TOLERANCE`). One thread on both sides: with two threads on a 2-core machine any other
+process makes llama.cpp's OpenMP threads wait for a descheduled peer, and single runs slowed 10-25×
+(measured), on either side; the thread count changes no definition.
 """
 
 from __future__ import annotations
@@ -16,20 +21,25 @@ from pipeline.config import Settings
 from pipeline.plan import EvalSpec, SpeedSpec
 from registry import open_registry
 
-ROUNDS, REPEATS, PARALLEL = 3, 5, (1, 8)
-#: Largest accepted |ours / theirs − 1|. Both sides decode the same batches with the same ggml kernels, so the
-#: expected ratio is 1 up to Python's per-step overhead (a ctypes call and an argmax per token) and noise.
-#: Measured on a 2-core machine shared with other jobs: see bench/results/speed_crosscheck.txt.
+ROUNDS, REPEATS, PARALLEL, THREADS = 8, 5, (1, 8), 1
+#: Largest accepted |ours / theirs − 1| of the best repetitions. Both sides decode the same batches with the same
+#: ggml kernels, so the expected ratio is 1 less Python's per-step work in Quantyard's runner (a ctypes call, a
+#: numpy view and an argmax per step: a few % of a 0.2 ms demo-model decode step). Measured on this project's
+#: 2-core machine while three other jobs ran (load 4-5, bench/results/speed_crosscheck.txt): best-of ratios
+#: 0.86-1.07 for pp, tg and TTFT, 0.60-0.95 for the aggregates (their medians 0.70-1.18); on a quiet machine
+#: (``make test``) both stay near 1. A definition error moves a ratio by far more than 25 %: prompt tokens
+#: counted as generated (batched-bench's own ``speed``) by ×3, the prefill left out of the aggregate by ×1.5;
+#: the smallest, a missing −1 in decode tok/s, is ×32/31 and is pinned by the unit tests (test_speed.py).
 TOLERANCE = 0.25
 
 
 def test_llamacpp_speed_agrees_with_llama_bench_and_batched_bench(tmp_path: Path, demo_registry_template: dict,
                                                                    cache_dir: Path) -> None:
-    cfg = Settings(cache_dir=cache_dir, threads=2)
+    cfg = Settings(cache_dir=cache_dir, threads=THREADS)
     gguf = open_registry(str(demo_registry_template["registry"])).link_files("demo/Q4_K_M", tmp_path / "m")[0]
     spec = EvalSpec(speed=SpeedSpec(repeats=REPEATS, parallel=PARALLEL))
     rows = crosscheck(cfg, gguf, spec, ROUNDS, tmp_path)
     assert [r["metric"] for r in rows][:3] == ["pp tok/s", "tg tok/s", "TTFT ms"]
     assert len(rows) == 3 + 2 * len(PARALLEL) and all(len(r["ratios"]) == ROUNDS for r in rows)
-    bad = {r["metric"]: round(r["ratio"], 3) for r in rows if abs(r["ratio"] - 1.0) > TOLERANCE}
-    assert not bad, f"ours / llama.cpp's tools outside ±{TOLERANCE:.0%}: {bad} (all: {rows})"
+    bad = {r["metric"]: round(r["best_ratio"], 3) for r in rows if abs(r["best_ratio"] - 1.0) > TOLERANCE}
+    assert not bad, f"ours / llama.cpp's tools (best repetitions) outside ±{TOLERANCE:.0%}: {bad} (all: {rows})"
