@@ -1,7 +1,8 @@
 """Load an EXL2 folder into a transformers model by dequantizing every EXL2 layer with Quantyard's
 reference codec (``pipeline.exl2_codec``, which imports only torch), for CPU evaluation.
 
-The model computes with exactly the fp16 weights the ExLlamaV2 kernels reconstruct (bit for bit),
+The model computes with the fp16 weights the codec reconstructs, designed to be bit for bit what the
+ExLlamaV2 kernels reconstruct (the GPU comparison is prepared, not yet run: see pipeline/exl2_codec.py),
 upcast to ``dtype``; everything else (embeddings, norms) is taken from the file as stored. This
 measures the *quantization*, not ExLlamaV2's speed or its fp16 arithmetic: results are labelled
 engine ``exl2-reference``.
