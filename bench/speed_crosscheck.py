@@ -59,11 +59,12 @@ def header(args: argparse.Namespace, cfg: Settings, shape: dict[str, Any]) -> li
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout
+    changed = " ".join(line[3:] for line in dirty.splitlines())
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     tools = llama_cpp_toolchain(cfg)
     return [f"# python bench/speed_crosscheck.py {shlex.join(sys.argv[1:])}",
-            f"# commit {commit.strip()}{' (with uncommitted changes)' if dirty.strip() else ''}, "
+            f"# commit {commit.strip()}{f' (uncommitted changes in: {changed})' if changed else ''}, "
             f"{time.strftime('%Y-%m-%d %H:%M %Z')}; llama.cpp {tools.commit} (llama-cpp-python 0.3.36)",
             f"# machine: {cpu}, {os.cpu_count()} cores, threads {cfg.threads}; ISA flags: {cpu_flags()}",
             f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
