@@ -238,7 +238,7 @@ def ensure_window_set(settings: Settings, resolved: Resolved, spec: EvalSpec) ->
     with scratch_dir(settings) as tmp:
         path = Path(tmp) / "windows.npz"
         ws.save(path)
-        meta = {**ws.meta(), "origin": origin}
+        meta = {**ws.meta(), "origin": origin, "max_windows": spec.max_windows}
         art = reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
                                       source=resolved.source, kind="window_set", key=key,
                                       name=f"windows-{ws.id[:12]}.npz", path=path, meta=meta)

@@ -9,7 +9,7 @@ folder with a declared source (``--source``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,25 @@ class ValidateOptions:
     baseline: str | None = None
     reproduce: bool = False
     eval: EvalSpec = field(default_factory=lambda: EvalSpec(speed=SpeedSpec(enabled=False)))
+    #: ``eval`` was not given: a registry target is evaluated as it was registered (:func:`recorded_eval`).
+    eval_as_recorded: bool = False
+
+
+def recorded_eval(version: VersionView, settings: Settings, base: EvalSpec) -> EvalSpec:
+    """``base`` cut into windows as ``version``'s newest quality result was (window, stride, scored positions,
+    number of windows, from its window set's record), so that validating a registered version without
+    evaluation options checks, and can reuse, the evaluation it was registered with; ``base`` when it has none.
+    The reference settings (exact KLD, dtype, top-K) stay ``base``'s: a result in another mode is not reused."""
+    sets = {a.meta.get("id"): a.meta for a in open_registry(settings).list_source_artifacts(
+        str(version.source["identity"]), "window_set")}
+    for r in reversed(version.results):
+        meta = sets.get(r.window_set_id) if r.kind == "quality" and r.status == "ok" else None
+        if meta is None:
+            continue
+        max_windows = meta["max_windows"] if "max_windows" in meta else meta.get("n_windows")
+        return base.model_copy(update={"window": int(meta["window"]), "stride": int(meta["stride"]),
+                                       "score_from": int(meta.get("score_from", 1)), "max_windows": max_windows})
+    return base
 
 
 def detect_format(path: Path) -> str:
@@ -237,6 +256,8 @@ DEFAULT_TEXT_ORIGINS = ("checkpoint:eval.txt", BUILTIN_EVAL_ORIGIN)
 
 def _quality_metrics(target: Target, settings: Settings, opts: ValidateOptions, work: Path) -> dict[str, Any]:
     engine = str(format_info(target.fmt).engine)
+    if target.version is not None and opts.eval_as_recorded:
+        opts = replace(opts, eval=recorded_eval(target.version, settings, opts.eval), eval_as_recorded=False)
     if target.version is not None:
         r = reusable_result(target.version, (engine, target.notes.get("engine")), settings, opts.eval)
         if r is not None:

@@ -23,6 +23,11 @@ def validate(
     reproduce: Annotated[bool, typer.Option(help="Rebuild from the recorded lineage and compare sha256.")] = False,
     promote: Annotated[bool, typer.Option(help="On a passing registry target, move candidate → validated.")] = False,
     max_windows: Annotated[int | None, typer.Option(help="Evaluate at most this many windows.")] = None,
+    window: Annotated[int | None, typer.Option(help="Window length in tokens (default: as the registered "
+                                               "evaluation of a registry target, else 512).")] = None,
+    stride: Annotated[int | None, typer.Option(help="Window stride in tokens (default: as --window).")] = None,
+    score_from: Annotated[int | None, typer.Option(help="First scored position of each window (257 with "
+                                                   "--window 512: llama-perplexity's positions).")] = None,
     registry: RegistryOpt = None,
     threads: Annotated[int | None, typer.Option()] = None,
     as_json: JsonOpt = False,
@@ -40,8 +45,13 @@ def validate(
 
     prefect_defaults()
     cfg = settings(registry, threads=threads)
+    given = {k: v for k, v in {"max_windows": max_windows, "window": window, "stride": stride,
+                               "score_from": score_from}.items() if v is not None}
+    if window is not None and stride is None:
+        given["stride"] = window
     opts = ValidateOptions(policy=load_policy(policy), source=source, baseline=baseline, reproduce=reproduce,
-                           eval=EvalSpec(max_windows=max_windows, speed=SpeedSpec(enabled=False)))
+                           eval=EvalSpec.model_validate({**given, "speed": SpeedSpec(enabled=False)}),
+                           eval_as_recorded=not given)
     report = run_validate(target, cfg, opts)
     state = do_promote(report, target, cfg) if promote else None
     if junit is not None:
