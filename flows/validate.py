@@ -59,9 +59,16 @@ class ValidateOptions:
     source: str | None = None
     baseline: str | None = None
     reproduce: bool = False
-    eval: EvalSpec = field(default_factory=lambda: EvalSpec(speed=SpeedSpec(enabled=False)))
-    #: ``eval`` was not given: a registry target is evaluated as it was registered (:func:`recorded_eval`).
-    eval_as_recorded: bool = False
+    #: How to evaluate; None: a registry target as it was registered (:func:`recorded_eval`), a plain file
+    #: with the defaults (:data:`DEFAULT_EVAL`).
+    eval: EvalSpec | None = None
+
+    @property
+    def spec(self) -> EvalSpec:
+        return self.eval or DEFAULT_EVAL
+
+
+DEFAULT_EVAL = EvalSpec(speed=SpeedSpec(enabled=False))
 
 
 def recorded_eval(version: VersionView, settings: Settings, base: EvalSpec) -> EvalSpec:
@@ -256,24 +263,24 @@ DEFAULT_TEXT_ORIGINS = ("checkpoint:eval.txt", BUILTIN_EVAL_ORIGIN)
 
 def _quality_metrics(target: Target, settings: Settings, opts: ValidateOptions, work: Path) -> dict[str, Any]:
     engine = str(format_info(target.fmt).engine)
-    if target.version is not None and opts.eval_as_recorded:
-        opts = replace(opts, eval=recorded_eval(target.version, settings, opts.eval), eval_as_recorded=False)
+    if target.version is not None and opts.eval is None:
+        opts = replace(opts, eval=recorded_eval(target.version, settings, DEFAULT_EVAL))
     if target.version is not None:
-        r = reusable_result(target.version, (engine, target.notes.get("engine")), settings, opts.eval)
+        r = reusable_result(target.version, (engine, target.notes.get("engine")), settings, opts.spec)
         if r is not None:
             return {**r.metrics, "window_set_id": r.window_set_id, "engine": r.engine, "reused": True}
     resolved = _source_for(target, settings)
     if target.version is not None:
         resolved.model_name = target.version.model
-    windows, ws_meta, _ = steps.ensure_window_set(settings, resolved, opts.eval)
-    reference, _, _ = steps.ensure_reference(settings, resolved, windows, ws_meta, opts.eval)
+    windows, ws_meta, _ = steps.ensure_window_set(settings, resolved, opts.spec)
+    reference, _, _ = steps.ensure_reference(settings, resolved, windows, ws_meta, opts.spec)
     if target.version is not None:
         outcome = steps.evaluate_version(settings, target.version.ref, target.fmt, windows, ws_meta, reference,
-                                         opts.eval)
+                                         opts.spec)
     else:
         evaluator, _ = _engine_for(target.fmt, settings)
         outcome = evaluator.evaluate(target.model_path, windows=windows, window_set_id=str(ws_meta["id"]),
-                                     reference=reference, spec=opts.eval, out_dir=work / "eval", settings=settings)
+                                     reference=reference, spec=opts.spec, out_dir=work / "eval", settings=settings)
     return {**(outcome.quality or {}), "window_set_id": ws_meta["id"], "engine": outcome.engine, "reused": False}
 
 
@@ -310,7 +317,7 @@ def _speed_of(target: Target, settings: Settings, opts: ValidateOptions, work: P
     evaluator, fallback = _engine_for(target.fmt, settings)
     if fallback:
         raise CheckSkipped(f"speed needs the real engine: {fallback}")
-    spec = EvalSpec(speed=opts.eval.speed.model_copy(update={"enabled": True}))
+    spec = EvalSpec(speed=opts.spec.speed.model_copy(update={"enabled": True}))
     speed, hardware, _ = evaluator.measure_speed(target.model_path, spec=spec, out_dir=work / "speed",
                                                   settings=settings)
     return speed, hardware, evaluator.engine.value

@@ -50,8 +50,8 @@ def validate(
     if window is not None and stride is None:
         given["stride"] = window
     opts = ValidateOptions(policy=load_policy(policy), source=source, baseline=baseline, reproduce=reproduce,
-                           eval=EvalSpec.model_validate({**given, "speed": SpeedSpec(enabled=False)}),
-                           eval_as_recorded=not given)
+                           eval=EvalSpec.model_validate({**given, "speed": SpeedSpec(enabled=False)})
+                           if given else None)
     report = run_validate(target, cfg, opts)
     state = do_promote(report, target, cfg) if promote else None
     if junit is not None:
