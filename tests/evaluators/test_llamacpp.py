@@ -78,11 +78,17 @@ def test_variant_against_itself_is_exactly_zero(tmp_path: Path, demo_registry_te
     cfg = Settings(cache_dir=cache_dir, threads=2)
     cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=cfg.core_python, module="evaluators.llamacpp.runner")
     base = {"model": str(gguf), "windows": str(small), "top_k": 32, "threads": 2}
-    first = run_runner(cmd, {**base, "ref_topk": None}, tmp_path / "a", 600)
-    second = run_runner(cmd, {**base, "ref_topk": str(first.arrays)}, tmp_path / "b", 600)
-    m = compare(load_arrays(first.arrays), load_arrays(second.arrays))
-    assert m["kld_mean"] == 0.0 and m["kld_max"] == 0.0 and m["top1_agreement"] == 1.0
-    assert np.array_equal(load_arrays(first.arrays)["target_logprob"], load_arrays(second.arrays)["target_logprob"])
+    first = run_runner(cmd, {**base, "store_full": True}, tmp_path / "a", 600)
+    assert first.arrays is not None
+    second = run_runner(cmd, {**base, "reference": str(first.arrays), "kld": "full"}, tmp_path / "b", 600)
+    bound = run_runner(cmd, {**base, "reference": str(first.arrays), "kld": "topk"}, tmp_path / "c", 600)
+    ref = load_arrays(first.arrays)
+    m = compare(ref, load_arrays(second.arrays))
+    # exact KLD against its own stored distribution: only the 16-bit grid's rounding, KL(P̃‖P) ≈ step²/24
+    assert 0.0 <= m["kld_max"] <= float(np.max(ref["full_step"])) ** 2 and m["top1_agreement"] == 1.0
+    lb = compare(ref, load_arrays(bound.arrays))  # the top-K bound: exactly 0
+    assert lb["kld_topk_lower_bound_mean"] == 0.0 and lb["kld_topk_lower_bound_max"] == 0.0
+    assert np.array_equal(ref["target_logprob"], load_arrays(second.arrays)["target_logprob"])
 
 
 def _runner_pids() -> list[int]:
