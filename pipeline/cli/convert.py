@@ -95,6 +95,10 @@ class EvalFlags:
                                             "second half, as llama-perplexity scores).")] = 1
     max_windows: Annotated[int | None, typer.Option(help="Evaluate at most this many windows.")] = None
     top_k: Annotated[int, typer.Option(help="Reference top-K log-probs stored per position.")] = 32
+    kld: Annotated[str, typer.Option(
+        help="exact: KL-divergence over the whole vocabulary, as llama-perplexity --kl-divergence (the reference "
+             "stores its distribution: 2 bytes per vocabulary entry per scored position); topk_lower_bound: the "
+             "cheaper top-K + tail bound, stored and shown as kld_topk_lower_bound only.")] = "exact"
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip evaluation.")] = False
     no_speed: Annotated[bool, typer.Option("--no-speed", help="Skip speed measurements.")] = False
 
@@ -118,7 +122,7 @@ FLAG_ORDER = (
     "source", "gguf", "awq", "awq_backend", "awq_bits", "awq_group_size", "awq_symmetric", "awq_calibration",
     "awq_calibration_samples", "awq_calibration_seq_len", "exl2", "exl2_backend", "exl2_head_bits", "name",
     "revision", "registry", "force", "eval_text", "eval_dataset", "window", "stride", "score_from", "max_windows",
-    "top_k", "no_eval", "no_speed", "threads", "allow_pickle", "trust_remote_code", "imatrix", "calibration",
+    "top_k", "kld", "no_eval", "no_speed", "threads", "allow_pickle", "trust_remote_code", "imatrix", "calibration",
     "imatrix_chunks", "split_max_size", "gguf_base", "allow_tokenizer_mismatch", "recipe", "as_json",
 )
 
@@ -172,7 +176,8 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
                                      exl2_head_bits=v.exl2_head_bits),
         eval=EvalSpec(enabled=not e.no_eval, text_file=str(e.eval_text) if e.eval_text else None,
                       dataset=e.eval_dataset, window=e.window, stride=e.stride, score_from=e.score_from,
-                      max_windows=e.max_windows, top_k=e.top_k, speed=SpeedSpec(enabled=not e.no_speed)),
+                      max_windows=e.max_windows, top_k=e.top_k, kld=e.kld,  # type: ignore[arg-type]  # validated
+                      speed=SpeedSpec(enabled=not e.no_speed)),
         force=force, gguf=GGUFOptions(
             base_type=parse_gguf_base(g.gguf_base), split_max_size=parse_split_size(g.split_max_size),
             calibration=CalibrationSpec(file=str(g.calibration) if g.calibration else None, chunks=g.imatrix_chunks),
