@@ -12,13 +12,15 @@ class EvalResult(BaseModel):
     """One result of one version on one engine, as evaluators produce it and the registry stores it.
 
     ``kind`` quality: ``metrics`` holds PPL, KLD, top-1 agreement… on window set ``window_set_id``; speed:
-    tokens per second (no window set). ``status`` failed: ``error`` says why and ``metrics`` may be empty.
-    ``hardware`` is where it ran (CPU and flags, GPU, threads, and a tool environment's exact pip freeze).
+    tokens per second (no window set); serving: a :class:`pipeline.serving.ServingMetrics` dump (the variant
+    behind its engine's server under load), never counted as a quality or speed result. ``status`` failed:
+    ``error`` says why and ``metrics`` may be empty. ``hardware`` is where it ran (CPU and flags, GPU, threads,
+    and a tool environment's exact pip freeze).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["quality", "speed"]
+    kind: Literal["quality", "speed", "serving"]
     engine: str
     engine_version: str | None = None
     window_set_id: str | None = None

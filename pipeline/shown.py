@@ -7,7 +7,9 @@
 - :class:`Mark` is a footnote marker with its legend line, for a number that is not what its column's
   header alone says: a KLD that is a top-K lower bound (``≥…†``) or an estimate (``≈…‡``), a stand-in
   engine's row (``*``), a vLLM speed measured with Quantyard's dense-matmul replacement of vLLM's 4-bit
-  kernel (``§``), a cross-check (``×``). Exact values carry no marker.
+  kernel (``§``), a cross-check (``×``), a serving result under a CPU-scaled load shape (``¶``). Exact values
+  carry no marker. Serving results (``kind`` serving, :mod:`pipeline.serving_summary`) are never a row's quality
+  or speed: :func:`pick` reads only ``quality`` and ``speed`` results.
 - :func:`quality_fields` gives a quality result's figures at full precision, each key meaning one thing:
   ``kld`` is only ever the exact full-vocabulary KLD; a bound is ``kld_lower_bound``, an estimate
   ``kld_estimate`` (:func:`pipeline.results.kld_of`). Human tables round when they print; ``--json`` never.
@@ -119,12 +121,15 @@ KLD_LOWER_BOUND = Mark("kld-lower-bound", "†", "≥ KLD is a top-K lower bound
                        "at least this): a result in the cheaper top-K mode, or one stored before exact KLD")
 KLD_ESTIMATE = Mark("kld-estimate", "‡", "≈ KLD is an estimate from vLLM's top-256 log-probs (stored before exact "
                     "KLD), not the full-vocabulary KLD")
-DENSE_KERNEL = Mark("dense-kernel", "§", "speed with a dense-matmul stand-in for vLLM's 4-bit kernel: Quantyard "
-                    "dequantized the 4-bit weights on this CPU, so it is not the speed of vLLM's own 4-bit kernel")
+DENSE_KERNEL = Mark("dense-kernel", "§", "speed (or serving latency) with a dense-matmul stand-in for vLLM's 4-bit "
+                    "kernel: Quantyard dequantized the 4-bit weights on this CPU, so it is not the speed of vLLM's own "
+                    "4-bit kernel")
 CROSS_CHECK = Mark("cross-check", "×", "cross-check: the same files scored by a second engine, shown beside the "
                    "format engine's figures, never in their place")
 OTHER_ENGINE = Mark("other-engine", "°", "measured on an engine that is not this format's own")
-FIXED_MARKS = {m.key: m for m in (KLD_LOWER_BOUND, KLD_ESTIMATE, DENSE_KERNEL, CROSS_CHECK, OTHER_ENGINE)}
+CPU_SCALED = Mark("cpu-scaled", "¶", "serving load with a CPU-scaled shape (shorter prompts and outputs than the seed "
+                  "profile, as its load profile says): not the seed profile's latencies or throughput")
+FIXED_MARKS = {m.key: m for m in (KLD_LOWER_BOUND, KLD_ESTIMATE, DENSE_KERNEL, CROSS_CHECK, OTHER_ENGINE, CPU_SCALED)}
 
 
 def stand_in_mark(fmt: str, engine: str) -> Mark:
@@ -295,7 +300,7 @@ def row_marks(fmt: str, row: Mapping[str, Any]) -> list[str]:
     return marks
 
 
-__all__ = ["CROSS_CHECK", "DENSE_KERNEL", "KLD_ESTIMATE", "KLD_LOWER_BOUND", "Mark", "Picked", "ResultLike", "Role",
-           "dense_kernel", "engine_mark", "eval_sets_note", "kld_mark", "kld_text", "legend", "mark_of", "median",
-           "pick", "quality_fields", "role_of", "row_figures", "row_marks", "second_role", "shown_kld",
-           "table_rows"]
+__all__ = ["CPU_SCALED", "CROSS_CHECK", "DENSE_KERNEL", "KLD_ESTIMATE", "KLD_LOWER_BOUND", "Mark", "Picked",
+           "ResultLike", "Role", "dense_kernel", "engine_mark", "eval_sets_note", "kld_mark", "kld_text", "legend",
+           "mark_of", "median", "pick", "quality_fields", "role_of", "row_figures", "row_marks", "second_role",
+           "shown_kld", "table_rows"]

@@ -24,7 +24,7 @@ class FileView(BaseModel):
 
 class ResultView(BaseModel):
     id: int
-    kind: str  # quality | speed
+    kind: str  # quality | speed | serving (pipeline.results.EvalResult)
     engine: str
     engine_version: str | None
     window_set_id: str | None
