@@ -5,7 +5,10 @@ speed, with the window set and the engine versions that measured them; the forma
 a cross-check as a second row, and a marker with a legend line on every number that is not what its
 header says: a stand-in engine, a KLD bound or estimate, a speed measured with a replaced kernel), the
 lineage (source commit or content hash, tools and versions, build keys), the calibration and imatrix files, and the
-``base_model`` metadata the Hub uses to link quantizations to their model.
+``base_model`` metadata the Hub uses to link quantizations to their model. Serving results, where a variant was
+served and load-tested, get a section of their own: every level's TTFT / ITL percentiles and output tok/s, the
+measured memory with its context and users, the load shape (``¶`` when CPU-scaled) and ``§`` when vLLM's 4-bit
+kernel was replaced.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from pipeline.formats import format_info
 from pipeline.results import kld_of
+from pipeline.serving_summary import ServingSummary, serving_summaries
 from pipeline.shown import (
     DENSE_KERNEL,
     dense_kernel,
@@ -98,6 +102,30 @@ def _sets_note(views: list[VersionView]) -> str | None:
     return eval_sets_note(figures)
 
 
+def _serving_rows(views: list[VersionView]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """The serving table's rows (one per load level), the mark keys they use, and one note per load shape."""
+    rows: list[dict[str, Any]] = []
+    marks: list[str] = []
+    notes: list[str] = []
+    for v in views:
+        for s in serving_summaries(v.variant, v.ref, v.format, v.results):
+            marks += s.marks
+            note = f"{s.shape}" + (f": {s.profile_note}" if s.profile_note else "")
+            if note not in notes:
+                notes.append(note)
+            rows += _level_rows(s)
+    return rows, marks, notes
+
+
+def _level_rows(s: ServingSummary) -> list[dict[str, Any]]:
+    server = f"{s.server} {s.server_version}" + _md(s.symbols)
+    return [{"variant": s.variant, "server": server if i == 0 else "", "profile": s.profile if i == 0 else "",
+             "users": lv.concurrency, "ttft": f"{_fmt(lv.ttft_p50_ms, 0)} / {_fmt(lv.ttft_p99_ms, 0)}",
+             "itl": f"{_fmt(lv.itl_p50_ms, 1)} / {_fmt(lv.itl_p99_ms, 1)}", "tok_s": _fmt(lv.output_throughput, 1),
+             "failed": f"{lv.failed}/{lv.requests}",
+             "memory": f"{s.memory.text} ({s.memory.what})" if i == 0 else ""} for i, lv in enumerate(s.levels)]
+
+
 def _hardware(views: list[VersionView]) -> list[str]:
     out = []
     for v in views:
@@ -134,10 +162,12 @@ def build_card(views: list[VersionView], *, repo_id: str, base_model: str | None
     summary = (f"{fmt.upper()} quantizations of {base}, made, evaluated and registered with Quantyard "
                f"({len(views)} variant{'s' if len(views) != 1 else ''}).")
     built = [_metric_rows(v) for v in views]
+    serving, serving_marks, serving_notes = _serving_rows(views)
     return ModelCard.from_template(
         data, template_str=TEMPLATE, title=repo_id.split("/")[-1], summary=summary, files=files,
         metrics=[row for rows, _ in built for row in rows],
         marks=[_md(m.line) for m in legend(k for _, keys in built for k in keys)], sets_note=_sets_note(views),
+        serving=serving, serving_notes=serving_notes, serving_marks=[_md(m.line) for m in legend(serving_marks)],
         window_sets=[{**a.meta, "origin": a.meta.get("origin", "—")} for a in window_sets
                      if a.meta.get("id") in ws_ids],
         references=[{"engine_version": a.meta.get("engine_version", "—"), "ppl": _fmt(a.meta.get("ppl"), 4),

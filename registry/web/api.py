@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 from pydantic_core import to_json
 
 from pipeline.errors import NotFoundError
+from pipeline.serving_summary import ServingSummary, serving_summaries
 from pipeline.specs import VersionState
 from registry.store import Registry
 from registry.views import (
@@ -135,6 +136,22 @@ def model_table(request: Request, reg: Reg, model: str) -> Response:
     return cached_json(request, reg, lambda: [row_from_summary(s) for s in reg.variant_summaries(model)])
 
 
+def _serving(reg: Registry, model: str) -> list[ServingSummary]:
+    return [x for s in reg.variant_summaries(model) for x in serving_summaries(s.variant, s.ref, s.format, s.results)]
+
+
+@router.get("/models/{model:qmodel}/-/serving", response_model=list[ServingSummary])
+def model_serving(request: Request, reg: Reg, model: str) -> Response:
+    """The serving figures of a model: for the latest version of every variant, the newest serving result of each
+    engine that served it (the format's own engine first), without the per-request logs: server and version,
+    load profile (``cpu_scaled`` when its shape was scaled down for a CPU; ``profile_note`` says how), ``kernel``
+    when vLLM's 4-bit kernel was replaced by a dense matmul, every closed-loop level's TTFT / ITL / TPOT
+    percentiles (ms) and output tok/s, and the measured memory (``peak_bytes``: device on a GPU, else the
+    server's RSS, at ``context`` tokens per request with ``users`` users). The full results, per-request logs
+    included, are a version's ``/-/results`` (``kind`` serving)."""
+    return cached_json(request, reg, lambda: _serving(reg, model))
+
+
 @router.get("/variants/{variant:qvariant}/-/versions", response_model=list[VersionOut])
 def list_versions(request: Request, reg: Reg, variant: str) -> Response:
     """Every version of ``MODEL/VARIANT``, oldest first."""
@@ -150,7 +167,7 @@ def get_version(request: Request, reg: Reg, ref: str) -> Response:
 
 @router.get("/versions/{ref:qref}/-/results", response_model=list[ResultView])
 def get_results(request: Request, reg: Reg, ref: str) -> Response:
-    """Evaluation results of a version (quality and speed, per engine), oldest first."""
+    """Evaluation results of a version (quality, speed and serving, per engine), oldest first."""
     return cached_json(request, reg, lambda: reg.get_version(ref).results)
 
 

@@ -10,7 +10,9 @@ from urllib.parse import quote
 
 from markupsafe import Markup
 
+from pipeline.serving_summary import CPU_SCALED_PROFILE, MemorySummary
 from pipeline.shown import (
+    CPU_SCALED,
     DENSE_KERNEL,
     Mark,
     engine_mark,
@@ -146,6 +148,33 @@ def second_html(fmt: str, c: SecondFigure) -> str:
     text = f"{mark.symbol if mark else ''} {c.role} on {c.engine}: " + " · ".join(f for f in figures if f)
     title = mark.line if mark else c.role
     return f'<div class="second role-{escape(c.role)}" title="{escape(title)}">{escape(text.strip())}</div>'
+
+
+def ms(x: float | None) -> str:
+    """A latency in milliseconds for a serving table (``—`` when not measured)."""
+    if x is None:
+        return "—"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 1 else f"{x:.2f}"
+
+
+def tok_s(x: float | None) -> str:
+    """A throughput in tokens per second for a serving table (``—`` when not measured)."""
+    return "—" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def memory_html(row: Row) -> Markup:
+    """The memory cell of a row: ``fits in 5.20 GB at context 8,192 with 64 users`` with the serving result's
+    marks, what the peak is in its tooltip, and the peak in bytes as its sort value; why there is none. Escaped."""
+    if row.memory_peak_bytes is None:
+        return Markup(f'<td class="memory missing" data-v="">{escape(row.reason("memory") or "")}</td>')
+    mem = MemorySummary(peak_bytes=row.memory_peak_bytes, source=row.memory_source,  # type: ignore[arg-type]
+                        context=row.memory_context, users=row.memory_users)
+    marks = [m for m, on in ((CPU_SCALED, row.memory_profile == CPU_SCALED_PROFILE), (DENSE_KERNEL, row.memory_kernel))
+             if on]
+    sym = "".join(f'<span class="mark" title="{escape(m.line)}">{escape(m.symbol)}</span>' for m in marks)
+    title = f"{mem.what}, serving on {row.memory_engine} ({row.memory_profile} load profile)"
+    return Markup(f'<td class="memory" data-v="{row.memory_peak_bytes}" title="{escape(title)}">'
+                  f"{escape(mem.text)}{sym}</td>")  # assembled from escaped parts above
 
 
 def page_marks(rows: Iterable[Row]) -> list[Mark]:

@@ -1,4 +1,4 @@
-"""Server-rendered pages: models index, model page (table + chart), version page, compare page."""
+"""Server-rendered pages: models index, model page (table + chart + serving charts), version page, compare page."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from pipeline.errors import InvalidReferenceError
+from pipeline.serving_summary import serving_summaries
 from pipeline.shown import engine_mark, role_of, second_role
 from pipeline.shown import pick as pick_results
 from pipeline.specs import Ref
@@ -20,12 +21,13 @@ from registry.web.cache import ResponseCache
 from registry.web.chart import build_chart, format_colours
 from registry.web.commands import commands, download_path
 from registry.web.format import page_marks, sets_note
+from registry.web.serving import build_serving_charts, shown_metrics
 from registry.web.table import METRICS, QUALITY_KEYS, Row, row_from_summary, row_from_version, sort_rows
 
 router = APIRouter(include_in_schema=False)
 Reg = Annotated[Registry, Depends(registry_of)]
 MAX_COMPARE = 6
-SORT_KEYS = frozenset({*METRICS, "variant", "format", "state", "engine"})
+SORT_KEYS = frozenset({*METRICS, "variant", "format", "state", "engine", "memory"})
 
 
 def templates(request: Request) -> Jinja2Templates:
@@ -69,12 +71,15 @@ def model_page(request: Request, reg: Reg, model: str, sort: str | None = None, 
 def _model_page(request: Request, reg: Registry, model: str, sort: str | None, dir: str,
                 format: str | None) -> HTMLResponse:
     summaries = reg.variant_summaries(model)
-    all_rows = [row_from_summary(s) for s in summaries]
+    served = {s.ref: serving_summaries(s.variant, s.ref, s.format, s.results) for s in summaries}
+    all_rows = [row_from_summary(s, served[s.ref]) for s in summaries]
     rows = [r for r in all_rows if not format or r.format == format]
     rows = sort_rows(rows, sort, descending=dir == "desc")
+    serving = build_serving_charts([x for r in rows for x in served[r.ref]])
     sources = {s.source.get("identity"): s.source for s in summaries if s.source}
     window_sets = sorted({r.window_set_id for r in rows if r.window_set_id})
     return render(request, "model.html", model=model, rows=rows, chart=build_chart(rows), metrics=METRICS,
+                  serving=serving,
                   sources=list(sources.values()), window_sets=window_sets, sets_note=sets_note(rows),
                   marks=page_marks(rows), sort=sort, dir=dir,
                   format=format or "", formats=sorted({r.format for r in all_rows}),
@@ -113,7 +118,9 @@ def _version_page(request: Request, reg: Registry, ref: str) -> HTMLResponse:
                   marks=page_marks([row, *rows]), roles=result_roles(view),
                   aliases=aliases, evals=evals, commands=commands(view, str(request.base_url)),
                   files=[(f, download_path(view.ref, f.name)) for f in view.files],
-                  row=row, requested=ref, metrics=METRICS)
+                  row=row, requested=ref, metrics=METRICS,
+                  shown={r.id: shown_metrics(r.kind, r.metrics) for r in view.results},
+                  serving=build_serving_charts(serving_summaries(view.variant, view.ref, view.format, view.results)))
 
 
 @router.get("/api", response_class=HTMLResponse)
@@ -135,12 +142,15 @@ def _compare_page(request: Request, reg: Registry, ref: list[str] | None) -> HTM
         raise InvalidReferenceError(f"compare needs 2 to {MAX_COMPARE} different variants, got {len(refs)}",
                                     hint="tick 2 to 6 variants on a model page, then press Compare")
     rows: list[Row] = []
+    served = []
     for text in refs:
         view = reg.get_version(Ref.parse(text))
         rows.append(row_from_version(view))
+        served += serving_summaries(view.variant, view.ref, view.format, view.results)
     note = sets_note(rows)
     best = {key: _best(rows, key, lower, note is not None) for key, (_, lower) in METRICS.items()}
     return render(request, "compare.html", rows=rows, metrics=METRICS, best=best, sets_note=note,
+                  serving=build_serving_charts(served),
                   marks=page_marks(rows), window_sets=sorted({r.window_set_id for r in rows if r.window_set_id}))
 
 

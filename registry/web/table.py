@@ -6,6 +6,8 @@ Generic over formats and engines: a row shows the quality and speed results that
 it has none, labelled; other engines' quality results ride along as ``cross_checks``, never in the
 engine's place. ``kld`` is only ever the exact full-vocabulary KLD: a top-K bound is ``kld_lower_bound``,
 an estimate ``kld_estimate`` (:func:`pipeline.shown.quality_fields`); the page shows whichever is set, marked.
+Serving results are never a row's quality or speed: they give the ``memory_*`` columns, from the newest serving
+result of the format's own engine first (:func:`pipeline.serving_summary.serving_summaries`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from pipeline.results import KLDValue
+from pipeline.serving_summary import ServingSummary, serving_summaries
 from pipeline.shown import dense_kernel, median, pick, quality_fields, role_of, row_marks, shown_kld
 from registry.views import ResultView, VariantSummary, VersionView
 
 NOT_EVALUATED = "not evaluated"
+NOT_SERVED = "no serving result"
 EVAL_FAILED = "evaluation failed"
 ENGINE_UNAVAILABLE = "engine unavailable"
 
@@ -102,6 +106,15 @@ class Row(BaseModel):
     quality_error: str | None = None
     speed_reason: str | None = None
     speed_error: str | None = None
+    # measured memory of the newest serving result (pipeline.serving_summary.MemorySummary): the peak (device on a
+    # GPU, else the server's RSS) at ``memory_context`` tokens per request with ``memory_users`` concurrent users
+    memory_peak_bytes: int | None = None
+    memory_source: str | None = None  # device | rss
+    memory_context: int | None = None
+    memory_users: int | None = None
+    memory_engine: str | None = None
+    memory_profile: str | None = None  # the load profile's name (cpu-scaled is marked)
+    memory_kernel: str | None = None  # vLLM's 4-bit kernel replaced by a dense matmul while it was measured
 
     @property
     def kld_shown(self) -> KLDValue:
@@ -109,7 +122,10 @@ class Row(BaseModel):
         return shown_kld(self)
 
     def value(self, key: str) -> Any:
-        """A column's value: ``kld`` is the KLD shown (exact, bound or estimate), anything else the field."""
+        """A column's value: ``kld`` is the KLD shown (exact, bound or estimate), ``memory`` the measured serving
+        peak, anything else the field."""
+        if key == "memory":
+            return self.memory_peak_bytes
         return self.kld_shown.value if key == "kld" else getattr(self, key)
 
     def reason(self, key: str) -> str | None:
@@ -120,6 +136,8 @@ class Row(BaseModel):
             return self.quality_reason or "not reported"
         if key in SPEED_KEYS:
             return self.speed_reason or "not reported"
+        if key == "memory":
+            return NOT_SERVED if self.memory_engine is None else "peak memory not measured"
         return "not recorded"
 
 
@@ -178,6 +196,22 @@ def metric_fields(fmt: str, results: Sequence[ResultView]) -> dict[str, Any]:
     return out
 
 
+def serving_fields(s: ServingSummary | None) -> dict[str, Any]:
+    """The ``memory_*`` columns of a row from its first serving summary (none: empty), with the marks they need."""
+    if s is None:
+        return {}
+    m = s.memory
+    return {"memory_peak_bytes": m.peak_bytes, "memory_source": m.source, "memory_context": m.context,
+            "memory_users": m.users, "memory_engine": s.engine, "memory_profile": s.profile,
+            "memory_kernel": s.kernel}
+
+
+def _with_serving(fields: dict[str, Any], summaries: Sequence[ServingSummary]) -> dict[str, Any]:
+    first = summaries[0] if summaries else None
+    marks = [*fields.get("marks", []), *(k for k in (first.marks if first else []) if k not in fields.get("marks", []))]
+    return {**fields, **serving_fields(first), "marks": marks}
+
+
 def _second_fields(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in quality_fields(metrics).items() if k in SecondFigure.model_fields}
 
@@ -188,10 +222,13 @@ def _se(m: dict[str, Any]) -> float | None:
     return float(ppl) * float(se) if isinstance(ppl, int | float) and isinstance(se, int | float) else None
 
 
-def row_from_summary(s: VariantSummary) -> Row:
+def row_from_summary(s: VariantSummary, served: Sequence[ServingSummary] | None = None) -> Row:
+    """A variant's row; ``served``: its serving summaries when the caller has them already."""
+    served = serving_summaries(s.variant, s.ref, s.format, s.results) if served is None else served
     return Row(ref=s.ref, model=s.model, variant=s.variant, version=s.version, format=s.format,
                quant=quant_label(s.format, s.spec), state=s.state, aliases=s.aliases, size=s.size or None,
-               bpw=s.bpw if s.bpw is not None else _spec_bpw(s.spec), **metric_fields(s.format, s.results))
+               bpw=s.bpw if s.bpw is not None else _spec_bpw(s.spec),
+               **_with_serving(metric_fields(s.format, s.results), served))
 
 
 def row_from_version(v: VersionView, aliases: dict[str, int] | None = None) -> Row:
@@ -200,7 +237,8 @@ def row_from_version(v: VersionView, aliases: dict[str, int] | None = None) -> R
                quant=quant_label(v.format, v.spec), state=v.state,
                aliases=aliases if aliases is not None else dict.fromkeys(v.aliases, v.number), size=v.size or None,
                bpw=bpw if isinstance(bpw, int | float) else _spec_bpw(v.spec),
-               **metric_fields(v.format, v.results))
+               **_with_serving(metric_fields(v.format, v.results),
+                               serving_summaries(v.variant, v.ref, v.format, v.results)))
 
 
 def _spec_bpw(spec: dict[str, Any]) -> float | None:
@@ -211,7 +249,7 @@ def _spec_bpw(spec: dict[str, Any]) -> float | None:
 def sort_rows(rows: Iterable[Row], key: str | None, descending: bool = False) -> list[Row]:
     """Rows sorted by a column; rows without a value always go last, whatever the direction."""
     rows = list(rows)
-    if key is None or (key not in METRICS and key not in ("variant", "format", "state", "engine")):
+    if key is None or (key not in METRICS and key not in ("variant", "format", "state", "engine", "memory")):
         return rows
     have = [r for r in rows if r.value(key) is not None]
     missing = [r for r in rows if r.value(key) is None]

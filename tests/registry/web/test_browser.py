@@ -158,3 +158,41 @@ def test_stand_in_and_exact_rows_look_different(browser: Any, tmp_path: Path, ar
         exact.screenshot(path=str(artifacts_dir / "exact-row.png"))
         page.close()
     assert problems == [], problems
+
+
+def test_serving_charts_render(browser: Any, tmp_path: Path, artifacts_dir: Path) -> None:
+    """On the model page of tests/labelled_serving.py's registry (SYNTHETIC numbers), the serving section draws
+    both charts with one visible line per variant and engine and a legend, the memory column says what fits, and
+    the CPU-scaled, replaced-kernel AWQ line carries its marks; screenshots go to test-artifacts/ (serving-chart.png
+    is the one kept as docs/serving-chart.png)."""
+    from tests.labelled_serving import MODEL, build_serving_registry
+
+    registry = build_serving_registry(tmp_path / "registry", tmp_path / "files")
+    problems: list[str] = []
+    with serving(str(registry)) as base:
+        page = browser.new_page(viewport={"width": 1500, "height": 900})
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.goto(f"{base}/models/{MODEL}")
+        for chart in ("#serving-ttft", "#serving-throughput"):
+            lines = page.locator(f"{chart} polyline.line")
+            assert lines.count() == 9 and lines.first.is_visible()  # every served variant; EXL2 was not served
+            assert page.locator(f"{chart} g.series").count() == 9
+            assert page.locator(f"{chart} figcaption .legend").count() == 9
+            assert page.locator(f"{chart} polyline.line").first.evaluate("l => getComputedStyle(l).fill") == "none"
+        awq = page.locator('#serving-ttft figcaption .legend[data-ref="acme/serving/AWQ-W4-G128-asym@1"]')
+        assert awq.inner_text().strip().endswith("¶§")
+        memory = page.locator('#variants tr[data-ref="acme/serving/Q4_K_M@1"] td.memory')
+        assert memory.inner_text() == "fits in 5.20 GB at context 8,192 with 64 users" and memory.is_visible()
+        page.screenshot(path=str(artifacts_dir / "serving-page.png"), full_page=True)
+        page.set_viewport_size({"width": 900, "height": 900})  # the section's text wraps at the charts' width
+        top = page.locator("#serving h2").bounding_box()
+        end = page.locator("#serving p.serving-note").last.bounding_box()  # it says the numbers are SYNTHETIC
+        assert top is not None and end is not None
+        assert "SYNTHETIC" in page.locator("#serving p.serving-note").last.inner_text()
+        shot = artifacts_dir / "serving-chart.png"
+        page.screenshot(path=str(shot), full_page=True, clip={"x": 0, "y": top["y"] - 8, "width": 900,
+                                                             "height": end["y"] + end["height"] - top["y"] + 16})
+        assert 10_000 < shot.stat().st_size < 500_000
+        page.close()
+    assert problems == [], problems
