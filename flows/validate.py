@@ -1,9 +1,9 @@
 """``quantyard validate``: named CI gates for one quant.
 
 Checks, in order (each passes, fails, or is skipped with a reason):
-integrity → format → loadability → tokenizer_parity → quality → speed (with --baseline) →
-reproducibility (opt-in). A target is a registry reference or a plain GGUF file / AWQ folder / EXL2
-folder with a declared source (``--source``).
+integrity → format → loadability → tokenizer_parity → quality → speed (with --baseline) → serving (with a
+serving SLO in the policy: flows/serving_gate.py) → reproducibility (opt-in). A target is a registry reference
+or a plain GGUF file / AWQ folder / EXL2 folder with a declared source (``--source``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from converters.lookup import converter_class
 from evaluators.reference import reference_key
 from evaluators.speed import comparable
 from flows import steps
+from flows.serving_gate import check_serving
 from pipeline.checks import CheckFailed, CheckSkipped, ValidationReport
 from pipeline.config import Settings
 from pipeline.errors import (
@@ -429,6 +430,7 @@ def validate(target_text: str, settings: Settings, opts: ValidateOptions) -> Val
         else:
             for name in ("quality", "speed"):
                 report.run(name, lambda: _skip("the variant did not load (see loadability)"))
+        report.run("serving", lambda: check_serving(target.version, opts.policy.serving))  # a stored measurement
         if opts.reproduce:
             report.run("reproducibility", lambda: check_reproducibility(target, settings, work))
         else:

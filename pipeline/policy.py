@@ -1,4 +1,4 @@
-"""Validation policy: quality thresholds per quant type and class, speed regression limits.
+"""Validation policy: quality thresholds per quant type and class, speed regression limits, a serving SLO.
 
 The default limits are stated for the **exact** (full-vocabulary) mean KLD, the number
 ``llama-perplexity --kl-divergence`` prints and Quantyard's ``kld_mean`` is; a result computed in the
@@ -178,11 +178,28 @@ class SpeedLimits(Frozen):
     metrics: tuple[str, ...] = ("prompt_tok_per_s", "decode_tok_per_s")
 
 
+class ServingSLO(Frozen):
+    """A serving SLO, gated by ``validate``'s serving check on the version's newest serving result with a
+    closed-loop level at ``concurrency`` users (flows/serving_gate.py). Latencies in milliseconds, as
+    :mod:`pipeline.serving` defines them (``vllm bench serve``'s names): p99 time to first token, p99
+    inter-token latency, p99 time per output token; ``min_output_throughput`` in output tokens per second over
+    the level. ``max_failed_pct``: failed requests allowed, in percent of the level's requests (their latencies
+    are not in the percentiles, so by default none is allowed)."""
+
+    concurrency: int = Field(ge=1)
+    p99_ttft_ms: float | None = Field(default=None, gt=0)
+    p99_itl_ms: float | None = Field(default=None, gt=0)
+    p99_tpot_ms: float | None = Field(default=None, gt=0)
+    min_output_throughput: float | None = Field(default=None, gt=0)
+    max_failed_pct: float = Field(default=0.0, ge=0, le=100)
+
+
 class Policy(Frozen):
     classes: dict[str, QualityLimits] = Field(default_factory=lambda: dict(DEFAULT_CLASSES))
     types: dict[str, QualityLimits] = Field(default_factory=lambda: dict(DEFAULT_TYPES))  # by GGUF type
     overrides: dict[str, QualityLimits] = Field(default_factory=dict)  # by variant name, e.g. "Q4_K_M"
     speed: SpeedLimits = SpeedLimits()
+    serving: ServingSLO | None = None  # no serving check unless the policy file sets one
 
     def limits_for(self, variant: str, quant_class: str, quant_type: str | None = None) -> QualityLimits:
         """The limits of a variant: its override by name, else its GGUF type's (``quant_type``), else its
@@ -216,7 +233,7 @@ def quant_class(fmt: str, spec: dict[str, Any]) -> str:
 
 
 def load_policy(path: Path | None) -> Policy:
-    """The default policy, or a YAML file (keys: classes, types, overrides, speed) merged over it
+    """The default policy, or a YAML file (keys: classes, types, overrides, speed, serving) merged over it
     (:func:`build_policy`)."""
     if path is None:
         return Policy()
@@ -230,13 +247,15 @@ def load_policy(path: Path | None) -> Policy:
         user_classes = {k: QualityLimits(**(v or {})) for k, v in (data.get("classes") or {}).items()}
         user_types = {k: QualityLimits(**(v or {})) for k, v in (data.get("types") or {}).items()}
         overrides = {k: QualityLimits(**v) for k, v in (data.get("overrides") or {}).items()}
-        return build_policy(user_classes, user_types, overrides, SpeedLimits(**(data.get("speed") or {})))
+        serving = ServingSLO(**data["serving"]) if data.get("serving") is not None else None
+        return build_policy(user_classes, user_types, overrides, SpeedLimits(**(data.get("speed") or {})), serving)
     except (ValidationError, TypeError) as exc:
         raise ConfigError(f"invalid policy {path}: {exc}") from exc
 
 
 def build_policy(classes: Mapping[str, QualityLimits], types: Mapping[str, QualityLimits] | None = None,
-                 overrides: Mapping[str, QualityLimits] | None = None, speed: SpeedLimits | None = None) -> Policy:
+                 overrides: Mapping[str, QualityLimits] | None = None, speed: SpeedLimits | None = None,
+                 serving: ServingSLO | None = None) -> Policy:
     """The default policy with a user's limits merged over it: a class's or type's limits set field by field
     over the default's. A class the user sets governs its types: their published defaults are dropped, so a
     ``classes: {Q4: {max_kld: 0.03}}`` policy applies to Q4_K_M too (unless ``types`` sets Q4_K_M)."""
@@ -249,4 +268,4 @@ def build_policy(classes: Mapping[str, QualityLimits], types: Mapping[str, Quali
         start = merged_types.get(name.upper(), merged_classes.get(_class_of(name.upper()), QualityLimits()))
         merged_types[name.upper()] = QualityLimits(**{**start.model_dump(), **limits.model_dump(exclude_none=True)})
     return Policy(classes=merged_classes, types=merged_types, overrides=dict(overrides or {}),
-                  speed=speed or SpeedLimits())
+                  speed=speed or SpeedLimits(), serving=serving)

@@ -14,7 +14,8 @@ from pipeline.errors import EXIT_CHECK_FAILED
 @handle_errors
 def validate(
     target: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION|@ALIAS], or a .gguf file, AWQ or EXL2 folder.")],
-    policy: Annotated[Path | None, typer.Option(help="YAML policy (quality limits per quant class, speed).")] = None,
+    policy: Annotated[Path | None, typer.Option(help="YAML policy (quality limits per quant class, speed, serving "
+                                                "SLO).")] = None,
     baseline: Annotated[str | None, typer.Option(help="Registry reference to compare speed against.")] = None,
     source: Annotated[str | None, typer.Option(help="Source checkpoint of a plain file target (folder or hub id).")]
     = None,
@@ -32,7 +33,7 @@ def validate(
     threads: Annotated[int | None, typer.Option()] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Gate a quant on integrity, format, loadability, tokenizer parity, quality, speed and reproducibility."""
+    """Gate a quant on integrity, format, loadability, tokenizer parity, quality, speed, serving and reproducibility."""
     from rich.table import Table
 
     from flows.validate import ValidateOptions

@@ -36,7 +36,7 @@ def test_demo_q8_and_q4_pass_default_policy(demo_registry: Path, tmp_path: Path)
         assert open_registry(str(demo_registry)).get_version(f"demo/{variant}").state == "validated"
         suite = next(iter(JUnitXml.fromfile(str(junit))))
         names = [case.name for case in suite]
-        assert names == ["integrity", "format", "loadability", "tokenizer_parity", "quality", "speed",
+        assert names == ["integrity", "format", "loadability", "tokenizer_parity", "quality", "speed", "serving",
                          "reproducibility"]
         assert suite.failures == 0 and suite.tests == len(names)
 
