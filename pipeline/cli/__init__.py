@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.cli import browse, convert, demo, deploy, env, registry, validate, web
+from pipeline.cli import browse, convert, demo, deploy, env, recommend, registry, validate, web
 from pipeline.cli.common import app
 
 convert.register(app)
@@ -21,6 +21,7 @@ demo.register(app)
 registry.register(app)
 deploy.register(app)
 validate.register(app)
+recommend.register(app)
 web.register(app)
 env.register(app)
 
