@@ -1,6 +1,8 @@
 """The engines: one line each in :data:`ENGINES`, and how a format finds the engine that evaluates it.
 
-Evaluators are named by import path (``evaluators.<engine>.evaluator:Class``) and imported when used.
+Evaluators are named by import path (``evaluators.<engine>.evaluator:Class``) and imported when used, and so
+are their OpenAI-compatible servers' launchers (``evaluators.<engine>.server:plan``, run by
+:func:`evaluators.serving.server.start_server`).
 Which engine evaluates a format, which stands in for it and which cross-checks it is the format's line in
 :data:`pipeline.formats.FORMATS`. To add an engine (one package ``evaluators/<engine>/`` and one line here),
 see evaluators/README.md.
@@ -19,10 +21,12 @@ from pipeline.specs import Engine
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """One engine: its evaluator and what pins it (the stage ledger keys evaluations by these)."""
+    """One engine: its evaluator, its server's launcher and what pins it (the stage ledger keys evaluations by
+    these)."""
 
     engine: Engine
     evaluator: str  # "module:Class" of its Evaluator
+    server: str | None = None  # "module:function" of its server launcher (evaluators.serving.spec.Planner)
     pool: Pool = "gpu"  # where its evaluations run in a distributed run, unless the recipe says otherwise
     tool_envs: tuple[str, ...] = ()  # managed tool environments (pipeline/envs.py) its runner runs in
     tool_locks: tuple[str, ...] = ()  # lock files (relative to the repository) of tools that are not envs
