@@ -3,6 +3,7 @@
 ::
 
     resolve ─┬─ prepare:FMT ── build:VARIANT ── register:VARIANT ─┬─ evaluate:VARIANT:ENGINE
+             │                                                       └─ serve:VARIANT:ENGINE (with --serving)
              └─ reference ─────────────────────────────────────────┘
 
 :func:`build_graph` turns a plan into stage requests (what each stage does, its ledger key, its pool,
@@ -40,7 +41,7 @@ from pipeline.shown import table_rows
 from pipeline.specs import Frozen, SourceRef
 from registry.store import Registry
 
-StageName = Literal["resolve", "prepare", "build", "register", "reference", "evaluate"]
+StageName = Literal["resolve", "prepare", "build", "register", "reference", "evaluate", "serve"]
 StageStatus = Literal["ran", "reused", "failed", "skipped", "not_needed"]
 #: Upstream statuses a stage can run after (``not_needed``: every stage reading it was already recorded).
 FINISHED: frozenset[str] = frozenset({"ran", "reused", "not_needed"})
@@ -141,9 +142,16 @@ class EvaluateOutputs(StageOutputs):
     skipped: str | None = None  # why this engine cannot evaluate the variant (a cross-check)
 
 
+class ServeOutputs(StageOutputs):
+    ref: str
+    engine: str
+    engine_version: str | None = None
+    skipped: str | None = None  # why the engine's server cannot run here (a failed result says so too)
+
+
 OUTPUTS: dict[str, type[StageOutputs]] = {
     "resolve": ResolveOutputs, "prepare": PrepareOutputs, "build": BuildOutputs, "register": RegisterOutputs,
-    "reference": ReferenceOutputs, "evaluate": EvaluateOutputs}
+    "reference": ReferenceOutputs, "evaluate": EvaluateOutputs, "serve": ServeOutputs}
 
 
 def outputs_of(record: StageRecord, stage: str) -> Any:
@@ -203,7 +211,7 @@ def build_graph(plan: Plan, identity: str, placement: Placement, target: dict[st
 
     def request(stage: StageName, name: str, spec: dict[str, Any], tools: list[str], pool: str, sub: Plan,
                 upstream: dict[str, str], **kw: Any) -> StageRequest:
-        if stage in ("build", "register", "evaluate"):
+        if stage in ("build", "register", "evaluate", "serve"):
             # what these record is a version of one model: the same source under another name is another one
             spec = {**spec, "model": plan.model_name, **({"nonce": nonce} if nonce else {})}
         key = stage_key(identity, stage, spec, tools)
@@ -232,20 +240,28 @@ def build_graph(plan: Plan, identity: str, placement: Placement, target: dict[st
                           placement.registration, one, {**up, "build": build.key}, fmt=fmt, variant=spec.name)
             graph.add(reg, (build.name,))
             registered.append((fmt, spec, reg))
-    if not plan.eval.enabled:
-        return graph
-    ref = request("reference", "reference", _eval_spec(plan), [], placement.for_reference(plan.eval), bare, up)
-    graph.add(ref, ("resolve",))
-    for fmt, spec, reg in registered:
-        one = plan.model_copy(update={"variants": (spec,)})
-        for engine in engines_of(fmt, plan.eval.cross_check):
-            ev = request("evaluate", f"evaluate:{spec.name}:{engine}",
-                         {"register": reg.key, "engine": engine, **_eval_spec(plan),
-                          "eval_all": plan.eval.model_dump(mode="json")}, [engine],
-                         placement.for_engine(engine, engine_info(engine).pool), one,
-                         {**up, "register": reg.key, "reference": ref.key}, fmt=fmt, variant=spec.name,
-                         engine=engine)
-            graph.add(ev, (reg.name, ref.name))
+    if plan.eval.enabled:
+        ref = request("reference", "reference", _eval_spec(plan), [], placement.for_reference(plan.eval), bare, up)
+        graph.add(ref, ("resolve",))
+        for fmt, spec, reg in registered:
+            one = plan.model_copy(update={"variants": (spec,)})
+            for engine in engines_of(fmt, plan.eval.cross_check):
+                ev = request("evaluate", f"evaluate:{spec.name}:{engine}",
+                             {"register": reg.key, "engine": engine, **_eval_spec(plan),
+                              "eval_all": plan.eval.model_dump(mode="json")}, [engine],
+                             placement.for_engine(engine, engine_info(engine).pool), one,
+                             {**up, "register": reg.key, "reference": ref.key}, fmt=fmt, variant=spec.name,
+                             engine=engine)
+                graph.add(ev, (reg.name, ref.name))
+    if plan.serving.enabled:
+        for fmt, spec, reg in registered:
+            engine = str(format_info(fmt).engine)
+            serve = request("serve", f"serve:{spec.name}:{engine}",
+                            {"register": reg.key, "engine": engine, "serving": plan.serving.model_dump(mode="json")},
+                            [engine, "guidellm"], placement.for_engine(engine, engine_info(engine).pool),
+                            plan.model_copy(update={"variants": (spec,)}), {**up, "register": reg.key}, fmt=fmt,
+                            variant=spec.name, engine=engine)
+            graph.add(serve, (reg.name,))
     return graph
 
 

@@ -29,7 +29,7 @@ from evaluators.engines import engine_info
 from pipeline import __version__
 from pipeline.config import Settings
 from pipeline.envs import ENVS
-from pipeline.errors import SourceNotFoundError, ToolchainMissingError
+from pipeline.errors import SourceNotFoundError, ToolchainMissingError, UnknownFormatError
 from pipeline.formats import FORMATS, format_info
 from pipeline.plan import SourceInput
 from pipeline.proc import REPO_ROOT
@@ -68,9 +68,15 @@ def _file_digest(rel: str) -> str:
 
 
 def _pins(tool: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(lock files, managed environments) that pin ``tool``: a format (its converter) or an engine."""
+    """(lock files, managed environments) that pin ``tool``: a format (its converter), an engine, or a managed
+    environment by name (``guidellm``, the serving stage's load generator)."""
     if tool == "core":
         return (), ()
+    if tool in ENVS and tool not in FORMATS:
+        try:
+            engine_info(tool)
+        except UnknownFormatError:
+            return (), (tool,)
     if tool in FORMATS:
         fmt = format_info(tool)
         return fmt.tool_locks, fmt.tool_envs

@@ -40,13 +40,14 @@ from flows.graph import (
     ReferenceOutputs,
     RegisterOutputs,
     ResolveOutputs,
+    ServeOutputs,
     StageOutputs,
     StageRequest,
     outputs_of,
 )
 from flows.ledger import StageRecord, Stopwatch, find_stage, record_stage
 from pipeline.config import Settings
-from pipeline.errors import ConfigError, StageError
+from pipeline.errors import ConfigError, StageError, ToolchainMissingError
 from pipeline.formats import format_info
 from pipeline.plan import Plan
 from pipeline.specs import SourceRef
@@ -55,7 +56,7 @@ from registry.blobs import StoredBlob
 from registry.store import RegisterRequest, Registry
 
 #: Stages that hold a slot of their pool's concurrency limit while they work.
-HEAVY_STAGES: frozenset[str] = frozenset({"prepare", "build", "reference", "evaluate"})
+HEAVY_STAGES: frozenset[str] = frozenset({"prepare", "build", "reference", "evaluate", "serve"})
 #: Stages an embedded run records only once a later stage starts (InProcess.pending).
 SOURCE_STAGES: frozenset[str] = frozenset({"resolve", "prepare"})
 Who = tuple[str, str | None, SourceRef]
@@ -348,8 +349,26 @@ def _evaluate_body(ctx: StageContext) -> tuple[EvaluateOutputs, Who]:
                            events=["evaluate"]), who
 
 
+def _serve_body(ctx: StageContext) -> tuple[ServeOutputs, Who]:
+    """The variant behind its engine's server under GuideLLM's load (flows/serving.py); where the engine
+    cannot run here, a failed result says so and the stage is skipped, never faked."""
+    from flows.serving import serve_version
+
+    req = ctx.request
+    assert req.engine is not None
+    who = ctx.rows()
+    ref = outputs_of(ctx.upstream("register"), "register").ref
+    try:
+        with ctx.watch:
+            result = serve_version(ctx.settings, ref, req.plan.serving, ctx.scratch)
+    except ToolchainMissingError as exc:
+        return ServeOutputs(ref=ref, engine=req.engine, skipped=exc.summary()), who
+    return ServeOutputs(ref=ref, engine=req.engine, engine_version=result.engine_version, events=["serve"]), who
+
+
 BODIES: dict[str, Body] = {"resolve": _resolve_body, "prepare": _prepare_body, "build": _build_body,
-                           "register": _register_body, "reference": _reference_body, "evaluate": _evaluate_body}
+                           "register": _register_body, "reference": _reference_body, "evaluate": _evaluate_body,
+                           "serve": _serve_body}
 
 
 # --- the stage flows (one per stage; deployed once per pool) --------------------------------------
@@ -391,9 +410,15 @@ def evaluate_stage(request: StageRequest, slot: str | None = None) -> dict[str, 
     return run_stage(request, slot, _evaluate_body).model_dump(mode="json")
 
 
+@flow(name="quantyard-serve", flow_run_name="{request.name}", log_prints=True)
+def serve_stage(request: StageRequest, slot: str | None = None) -> dict[str, Any]:
+    """Serve one registered version on its engine's server and load-test it; the result goes to the registry."""
+    return run_stage(request, slot, _serve_body).model_dump(mode="json")
+
+
 STAGE_FLOWS: dict[str, Any] = {"resolve": resolve_stage, "prepare": prepare_stage, "build": build_stage,
                                "register": register_stage, "reference": reference_stage,
-                               "evaluate": evaluate_stage}
+                               "evaluate": evaluate_stage, "serve": serve_stage}
 
 
 def deployment_name(stage: str, pool: str) -> str:

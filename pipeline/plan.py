@@ -126,6 +126,33 @@ _LEGACY_GGUF_KEYS = {"gguf_base_type": "base_type", "gguf_split_max_size": "spli
                      "calibration": "calibration", "allow_tokenizer_mismatch": "allow_tokenizer_mismatch"}
 
 
+class ServingSpec(Frozen):
+    """Serving load tests (flows/serving.py): each variant behind its engine's OpenAI-compatible server, loaded
+    by GuideLLM. ``profile``: ``auto`` (the seed shape 512/256 at 1/8/32/64 users on a GPU, a CPU-scaled one
+    on a CPU, recorded as such), ``seed`` (the seed shape anywhere), ``cpu`` (the scaled one anywhere).
+    ``users``, ``requests``, ``prompt_tokens`` and ``output_tokens`` narrow the profile (recorded in its
+    note); ``sweep`` adds an open-loop Poisson sweep around the closed loop's best request rate, up to its
+    knee. ``tensor_parallel``: the engine's tensor parallelism (recorded; more than 1 needs as many GPUs).
+    ``tokenizer``: the folder the load prompts are tokenized with (default: the variant's or its source's)."""
+
+    enabled: bool = False
+    profile: Literal["auto", "seed", "cpu"] = "auto"
+    users: tuple[int, ...] = ()
+    requests: int | None = Field(default=None, ge=1)
+    prompt_tokens: int | None = Field(default=None, ge=8)
+    output_tokens: int | None = Field(default=None, ge=2)
+    sweep: bool = False
+    tensor_parallel: int = Field(default=1, ge=1)
+    tokenizer: str | None = None
+
+    @field_validator("users")
+    @classmethod
+    def _users(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(u < 1 for u in value):
+            raise InvalidSpecError(f"users must be positive, got {list(value)}", hint="e.g. --users 1,8,32,64")
+        return tuple(sorted(set(value)))
+
+
 class Plan(Frozen):
     source: SourceInput
     model_name: str | None = None
@@ -133,6 +160,7 @@ class Plan(Frozen):
     eval: EvalSpec = EvalSpec()
     force: bool = False
     gguf: GGUFOptions = GGUFOptions()
+    serving: ServingSpec = ServingSpec()
 
     @model_validator(mode="before")
     @classmethod

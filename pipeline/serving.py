@@ -153,6 +153,9 @@ class ServingMetrics(BaseModel):
     levels: list[LevelStats]
     memory: MemoryInfo
     knee: dict[str, Any] | None = None  # open loop: the highest rate that met the SLO, and the first that did not
+    #: Where the raw per-request logs are (a ``serving_log`` source artifact: kind, key, sha256, size), when
+    #: they are kept outside the result (the levels' ``requests_log`` are then empty).
+    requests_log_artifact: dict[str, Any] | None = None
 
     def level(self, concurrency: int) -> LevelStats | None:
         return next((lv for lv in self.levels if lv.mode == "concurrency" and lv.concurrency == concurrency), None)

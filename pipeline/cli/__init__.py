@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.cli import browse, convert, demo, deploy, env, recommend, registry, validate, web
+from pipeline.cli import browse, convert, demo, deploy, env, recommend, registry, serve, validate, web
 from pipeline.cli.common import app
 
 convert.register(app)
@@ -22,6 +22,7 @@ registry.register(app)
 deploy.register(app)
 validate.register(app)
 recommend.register(app)
+serve.register(app)
 web.register(app)
 env.register(app)
 

@@ -101,6 +101,12 @@ class EvalFlags:
              "cheaper top-K + tail bound, stored and shown as kld_topk_lower_bound only.")] = "exact"
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip evaluation.")] = False
     no_speed: Annotated[bool, typer.Option("--no-speed", help="Skip speed measurements.")] = False
+    serving: Annotated[bool, typer.Option("--serving", help="Also serve every variant behind its engine's "
+                                          "OpenAI-compatible server and load-test it (see serve-bench).")] = False
+    serving_users: Annotated[str | None, typer.Option(help="With --serving: concurrent users per level, e.g. "
+                                                      "1,8,32,64 (default: the profile's).")] = None
+    serving_requests: Annotated[int | None, typer.Option(help="With --serving: measured requests per level.",
+                                                         min=1)] = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,8 @@ FLAG_ORDER = (
     "source", "gguf", "awq", "awq_backend", "awq_bits", "awq_group_size", "awq_symmetric", "awq_calibration",
     "awq_calibration_samples", "awq_calibration_seq_len", "exl2", "exl2_backend", "exl2_head_bits", "name",
     "revision", "registry", "force", "eval_text", "eval_dataset", "window", "stride", "score_from", "max_windows",
-    "top_k", "kld", "no_eval", "no_speed", "threads", "allow_pickle", "trust_remote_code", "imatrix", "calibration",
+    "top_k", "kld", "no_eval", "no_speed", "serving", "serving_users", "serving_requests",
+    "threads", "allow_pickle", "trust_remote_code", "imatrix", "calibration",
     "imatrix_chunks", "split_max_size", "gguf_base", "allow_tokenizer_mismatch", "recipe", "as_json",
 )
 
@@ -145,6 +152,8 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
     Raises:
         InvalidSpecError: no SOURCE, or flags that contradict each other or name unknown types.
     """
+    from pipeline.cli.serve import parse_users
+
     if source.source is None:
         from pipeline.errors import InvalidSpecError
 
@@ -154,6 +163,7 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
         EvalSpec,
         GGUFOptions,
         Plan,
+        ServingSpec,
         SourceInput,
         SpeedSpec,
         awq_options,
@@ -178,6 +188,7 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
                       dataset=e.eval_dataset, window=e.window, stride=e.stride, score_from=e.score_from,
                       max_windows=e.max_windows, top_k=e.top_k, kld=e.kld,  # type: ignore[arg-type]  # validated
                       speed=SpeedSpec(enabled=not e.no_speed)),
+        serving=ServingSpec(enabled=e.serving, users=parse_users(e.serving_users), requests=e.serving_requests),
         force=force, gguf=GGUFOptions(
             base_type=parse_gguf_base(g.gguf_base), split_max_size=parse_split_size(g.split_max_size),
             calibration=CalibrationSpec(file=str(g.calibration) if g.calibration else None, chunks=g.imatrix_chunks),
