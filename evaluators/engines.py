@@ -34,7 +34,7 @@ class EngineInfo:
 
 ENGINES: dict[Engine, EngineInfo] = {
     Engine.LLAMA_CPP: EngineInfo(Engine.LLAMA_CPP, "evaluators.llamacpp.evaluator:LlamaCppEvaluator",
-                                 pool="cpu", tool_locks=(LLAMA_CPP_LOCK,)),
+                                 server="evaluators.llamacpp.server:plan", pool="cpu", tool_locks=(LLAMA_CPP_LOCK,)),
     Engine.VLLM: EngineInfo(Engine.VLLM, "evaluators.vllm.evaluator:VLLMEvaluator", tool_envs=("vllm",)),
     Engine.TRANSFORMERS: EngineInfo(Engine.TRANSFORMERS,
                                     "evaluators.transformers.evaluator:TransformersCheckEvaluator",

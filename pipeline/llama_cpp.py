@@ -3,9 +3,9 @@
 Two pieces, both put in place by ``make setup`` (``scripts/bootstrap_llama_cpp.py``):
 
 * the llama-cpp-python wheel installed in this interpreter's environment, built with the llama.cpp tools:
-  the binaries (``llama-quantize``, ``llama-imatrix``, ``llama-gguf-split``, ``llama-perplexity``...) in
-  ``site-packages/bin``, the shared libraries they load in ``site-packages/lib`` (not on the loader's path:
-  :meth:`LlamaCppToolchain.env` puts them there);
+  the binaries (``llama-quantize``, ``llama-imatrix``, ``llama-gguf-split``, ``llama-perplexity``,
+  ``llama-server``...) in ``site-packages/bin``, the shared libraries they load in ``site-packages/lib`` (not
+  on the loader's path: :meth:`LlamaCppToolchain.env` puts them there);
 * the converter taken from the same sdist: ``convert_hf_to_gguf.py``, ``gguf-py/`` and ``toolchain.json``
   (version, llama.cpp commit, supported architectures) in ``QUANTYARD_LLAMA_CPP_TOOLS``, by default
   ``CACHE_DIR/llama.cpp/<version>``.

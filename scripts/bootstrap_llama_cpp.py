@@ -3,8 +3,9 @@
 
 PyPI has no prebuilt llama-cpp-python wheel and a source build takes ~10 minutes
 on 2 cores, so the wheel is built once from the pinned sdist and cached outside
-the repository, keyed by version and by the CPU it was compiled for (the build
-uses -march=native, so a wheel only suits the same CPU kind).
+the repository, keyed by version, by the CPU it was compiled for (the build
+uses -march=native, so a wheel only suits the same CPU kind) and by the CMake
+options (the tools and llama-server are built too).
 
 The same sdist also provides llama.cpp's own HF->GGUF converter
 (`convert_hf_to_gguf.py`, `conversion/`, and the matching `gguf-py/`). They are
@@ -30,7 +31,11 @@ import tempfile
 from pathlib import Path
 
 VERSION = "0.3.36"
-CMAKE_ARGS = "-DLLAMA_BUILD_TOOLS=ON -DLLAMA_TOOLS_INSTALL=ON -DLLAVA_BUILD=OFF"
+# The tools (llama-quantize, llama-imatrix, llama-perplexity...) and llama-server, which a sub-project build
+# leaves out by default. The server's web UI is off: its prebuilt assets would be downloaded from Hugging Face
+# at build time (LLAMA_USE_PREBUILT_UI, on by default) and building it needs npm; the OpenAI API needs neither.
+CMAKE_ARGS = ("-DLLAMA_BUILD_TOOLS=ON -DLLAMA_TOOLS_INSTALL=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_SERVER=ON "
+              "-DLLAMA_USE_PREBUILT_UI=OFF")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -84,6 +89,17 @@ def cpu_key(cpuinfo: str | None = None) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 
+def build_key(cmake_args: str = CMAKE_ARGS) -> str:
+    """A short key of the build options: a wheel built with other CMake flags (without llama-server, say) is
+    another wheel."""
+    return hashlib.sha256(" ".join(sorted(cmake_args.split())).encode()).hexdigest()[:8]
+
+
+def wheel_dir(cache: Path) -> Path:
+    """Where the wheel for this version, CPU and build options is cached."""
+    return cache / "wheels" / f"llama-cpp-python-{VERSION}-{cpu_key()}-{build_key()}"
+
+
 def ensure_sdist(cache: Path) -> Path:
     want = locked_sdist_sha()
     sdist = cache / "sdist" / f"llama_cpp_python-{VERSION}.tar.gz"
@@ -106,14 +122,14 @@ def ensure_sdist(cache: Path) -> Path:
 
 
 def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
-    wheel_dir = cache / "wheels" / f"llama-cpp-python-{VERSION}-{cpu_key()}"
-    wheels = sorted(wheel_dir.glob("*.whl"))
+    folder = wheel_dir(cache)
+    wheels = sorted(folder.glob("*.whl"))
     if wheels:
         log(f"reusing cached wheel {wheels[0]}")
         return wheels[0]
     log("building llama-cpp-python from source with the llama.cpp tools (about 10 minutes on 2 cores)")
-    wheel_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=wheel_dir.parent) as tmp:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
         env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS,
                    CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
         subprocess.run(
@@ -126,8 +142,8 @@ def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
         staged = Path(tmp) / "staged"
         staged.mkdir()
         shutil.move(str(built[0]), staged / built[0].name)
-        os.replace(staged, wheel_dir)
-    return next(wheel_dir.glob("*.whl"))
+        os.replace(staged, folder)
+    return next(folder.glob("*.whl"))
 
 
 def install_wheel(venv_python: str, wheel: Path) -> None:

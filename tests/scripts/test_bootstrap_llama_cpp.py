@@ -1,5 +1,6 @@
 """The llama-cpp-python wheel is compiled with -march=native, so its cache key must change with the CPU's
-instruction sets: a wheel built on an AVX-512 machine is never reused on an AVX2-only one, or back."""
+instruction sets: a wheel built on an AVX-512 machine is never reused on an AVX2-only one, or back. It must
+change with the build options too (llama-server is part of the build)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,12 @@ def test_wheel_key_follows_the_instruction_sets() -> None:
 def test_this_machine_key_is_the_one_of_its_cpuinfo() -> None:
     mod = _script()
     assert mod.cpu_key() == mod.cpu_key(Path("/proc/cpuinfo").read_text())
+
+
+def test_wheel_key_follows_the_build_options() -> None:
+    """A wheel built before llama-server was part of the build (or with other flags) is never reused."""
+    mod = _script()
+    assert "-DLLAMA_BUILD_SERVER=ON" in mod.CMAKE_ARGS
+    assert mod.build_key() != mod.build_key("-DLLAMA_BUILD_TOOLS=ON -DLLAMA_TOOLS_INSTALL=ON -DLLAVA_BUILD=OFF")
+    assert mod.build_key("-DA=1 -DB=2") == mod.build_key("-DB=2 -DA=1")  # the set, not the order
+    assert mod.wheel_dir(Path("/c")).name.endswith(f"-{mod.cpu_key()}-{mod.build_key()}")
