@@ -35,7 +35,8 @@ class EngineInfo:
 ENGINES: dict[Engine, EngineInfo] = {
     Engine.LLAMA_CPP: EngineInfo(Engine.LLAMA_CPP, "evaluators.llamacpp.evaluator:LlamaCppEvaluator",
                                  server="evaluators.llamacpp.server:plan", pool="cpu", tool_locks=(LLAMA_CPP_LOCK,)),
-    Engine.VLLM: EngineInfo(Engine.VLLM, "evaluators.vllm.evaluator:VLLMEvaluator", tool_envs=("vllm",)),
+    Engine.VLLM: EngineInfo(Engine.VLLM, "evaluators.vllm.evaluator:VLLMEvaluator",
+                            server="evaluators.vllm.server:plan", tool_envs=("vllm",)),
     Engine.TRANSFORMERS: EngineInfo(Engine.TRANSFORMERS,
                                     "evaluators.transformers.evaluator:TransformersCheckEvaluator",
                                     tool_envs=("awq",)),
