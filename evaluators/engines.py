@@ -41,7 +41,7 @@ ENGINES: dict[Engine, EngineInfo] = {
                                     "evaluators.transformers.evaluator:TransformersCheckEvaluator",
                                     tool_envs=("awq",)),
     Engine.EXLLAMAV2: EngineInfo(Engine.EXLLAMAV2, "evaluators.exllamav2.evaluator:ExLlamaV2Evaluator",
-                                 tool_envs=("exl2",)),
+                                 server="evaluators.exllamav2.server:plan", tool_envs=("exl2",)),
     # the core environment's transformers and Quantyard's own codec: pinned by requirements/core.lock
     Engine.EXL2_REFERENCE: EngineInfo(Engine.EXL2_REFERENCE,
                                       "evaluators.exl2_reference.evaluator:EXL2ReferenceEvaluator", pool="cpu"),
