@@ -30,7 +30,7 @@ from tests.registry.web.test_browser import browser  # noqa: F401  # the fixture
 pytestmark = pytest.mark.slow
 
 SPEC = ServingSpec(enabled=True, profile="cpu", users=(1, 4), requests=6, prompt_tokens=64, output_tokens=16)
-SERVER_MARKERS = (b"llama-server", b"vllm.entrypoints", b"evaluators.vllm.serve", b"evaluators.serving.supervise")
+SERVER_MARKERS = (b"llama-server", b"vllm.entrypoints", b"evaluators.vllm.serve", b"evaluators.serving.keeper")
 
 
 @pytest.fixture(scope="module")
