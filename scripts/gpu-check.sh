@@ -21,6 +21,11 @@
 #   exl2  real exllamav2 conversion, codec bit-for-bit parity, ExLlamaV2 evaluation, golden fixtures
 #         (scripts/gpu-check-exl2.sh; it carries its own .gpu-carry/exl2, ~50 MB, in a third call:
 #          run(command="bash scripts/gpu-check.sh run-exl2", carry=[".gpu-carry/exl2"], timeout_s=420))
+#   serving  the seed serving profile (512/256, 1/8/32/64 users) on ExLlamaV2 and, where vllm imports, vLLM CUDA;
+#         TP=1 vs TP=N on a multi-GPU machine (scripts/gpu-check-serving.sh, after run-exl2 on the same warm
+#         machine; it carries .gpu-carry/serving:
+#          run(command="bash scripts/gpu-check.sh run-serving", carry=[".gpu-carry/serving", ".gpu-carry/exl2"],
+#              timeout_s=540)). PREPARED, NOT YET RUN.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -135,6 +140,7 @@ case "${1:-run}" in
   install) install_part "${2:?usage: $0 install gpu-carry/partN}" ;;
   run) run ;;
   run-exl2) probe; exl2_run ;;
+  run-serving) probe; OUT="$OUT" bash "$ROOT/scripts/gpu-check-serving.sh" ;;
   check) check ;;
-  *) echo "usage: $0 prepare|install PART|run|run-exl2|check" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare|install PART|run|run-exl2|run-serving|check" >&2; exit 2 ;;
 esac
