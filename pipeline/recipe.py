@@ -35,6 +35,7 @@ from pipeline.plan import (
     EvalSpec,
     GGUFOptions,
     Plan,
+    ServingSpec,
     SourceInput,
     SpeedSpec,
     awq_options,
@@ -134,6 +135,8 @@ class Recipe(Frozen):
     sources: tuple[SourceEntry, ...] = ()
     formats: Formats
     eval: dict[str, Any] = Field(default_factory=dict)  # EvalSpec fields; ``speed: false`` turns speed off
+    #: ServingSpec fields (``serving: {users: [1, 8, 32, 64]}``; ``serving: true`` for the defaults)
+    serving: dict[str, Any] | bool = False
     force: bool = False
     policy: RecipePolicy | None = None
     placement: Placement = Placement()
@@ -220,7 +223,14 @@ def _plan(recipe: Recipe, entry: SourceEntry, base: Path) -> Plan:
         source=SourceInput(source=_source_text(entry.source, base), revision=entry.revision,
                            allow_pickle=entry.allow_pickle, trust_remote_code=entry.trust_remote_code),
         model_name=entry.name, variants=_variants(recipe.formats, base), eval=eval_spec(recipe.eval, base),
-        force=recipe.force, gguf=options)
+        serving=serving_spec(recipe.serving), force=recipe.force, gguf=options)
+
+
+def serving_spec(data: dict[str, Any] | bool) -> ServingSpec:
+    """ServingSpec from the recipe's ``serving`` (a mapping of its fields, or ``true`` for the defaults)."""
+    if isinstance(data, bool):
+        return ServingSpec(enabled=data)
+    return ServingSpec.model_validate({"enabled": True, **data})
 
 
 def parse_recipe(data: Any, base: Path) -> tuple[Recipe, list[Plan]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from flows.graph import Graph, StageOutcome, StageStatus, build_graph
 from flows.quantize import _needed
-from pipeline.plan import EvalSpec, Plan, SourceInput, variants_from_flags
+from pipeline.plan import EvalSpec, Plan, ServingSpec, SourceInput, variants_from_flags
 from pipeline.recipe import Placement
 from registry import open_registry
 
@@ -69,3 +69,21 @@ def test_feeders_run_only_for_a_stage_that_can_run(tmp_path: Path) -> None:
     assert _needed(reg, graph, "reference", {"resolve": outcome("resolve", "ran"), **failed})
     # a stage that is not a feeder always runs
     assert _needed(reg, graph, "build:Q8_0", {})
+
+
+def test_serving_adds_one_serve_stage_per_variant_after_its_registration() -> None:
+    """--serving: serve:VARIANT:ENGINE after register:VARIANT (not after the evaluations: serving needs only
+    the files), on the engine's pool, keyed by the serving spec and the engine's and GuideLLM's pins; without
+    evaluation too."""
+    plain = _graph(_plan())
+    assert not any(n.startswith("serve:") for n in plain.nodes)
+    served = _graph(_plan(serving=ServingSpec(enabled=True, users=(1, 4))))
+    assert [n for n in served.nodes if n.startswith("serve:")] == ["serve:Q8_0:llama.cpp", "serve:Q4_K_M:llama.cpp"]
+    node = served.nodes["serve:Q4_K_M:llama.cpp"]
+    assert node.deps == ("register:Q4_K_M",) and node.request.upstream["register"] == \
+        served.nodes["register:Q4_K_M"].request.key
+    other = _graph(_plan(serving=ServingSpec(enabled=True, users=(1, 8))))
+    assert other.nodes["serve:Q4_K_M:llama.cpp"].request.key != node.request.key
+    assert other.nodes["register:Q4_K_M"].request.key == served.nodes["register:Q4_K_M"].request.key
+    no_eval = _graph(_plan(eval=EvalSpec(enabled=False), serving=ServingSpec(enabled=True)))
+    assert "reference" not in no_eval.nodes and "serve:Q8_0:llama.cpp" in no_eval.nodes
