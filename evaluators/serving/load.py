@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -56,6 +57,7 @@ GUIDELLM_VERSION = "0.8.1"
 TOOL = f"guidellm {GUIDELLM_VERSION}"
 ENV = "guidellm"
 RUNNER = "evaluators.serving.guidellm_runner"
+KEEPER = "evaluators.serving.keeper"
 REQUEST_FORMAT = "/v1/completions"
 #: The default goodput objective: TTFT ≤ 1 s and TPOT ("ITL" in the profile, as in vLLM's goodput) ≤ 100 ms.
 DEFAULT_SLO = Slo(ttft_ms=1000.0, tpot_ms=100.0)
@@ -253,7 +255,11 @@ def run_level(python: str, target: Target, profile: LoadProfile, level: Level, l
     write_atomic(level_dir / "request.json", json.dumps(request, indent=1))
     env = child_env({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
                      "GUIDELLM__MAX_WORKER_PROCESSES": str(WORKERS)})
-    res = run_logged([python, "-m", RUNNER, str(level_dir / "request.json")], log_dir=level_dir, name="guidellm",
+    # Under the keeper (evaluators/serving/keeper.py), as servers are: GuideLLM spawns worker processes of
+    # its own, which the death signal of run_logged would not reach, and a killed run must leave none.
+    keeper = [python, "-m", KEEPER, str(os.getpid()), "--"]
+    res = run_logged([*keeper, python, "-m", RUNNER, str(level_dir / "request.json")], log_dir=level_dir,
+                     name="guidellm",
                      timeout_s=level_timeout_s(profile, level), env=env, cwd=level_dir,
                      keep=failure_log_dir(settings.logs_root))
     if not res.ok or not result.is_file():

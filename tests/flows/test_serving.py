@@ -8,6 +8,7 @@ Shapes are CPU-scaled (64 prompt / 16 output tokens, 6 requests per level) and r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from evaluators.serving.keeper import group_members
 from flows.serving import serve_version
 from pipeline.plan import ServingSpec
 from pipeline.serving import ServingMetrics
@@ -86,7 +88,7 @@ def test_the_results_are_in_the_registry_and_on_the_model_page(served: dict[str,
         page.close()
 
 
-def _server_pids(marker: bytes) -> list[int]:
+def _server_pids(marker: bytes, markers: tuple[bytes, ...] = SERVER_MARKERS) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -94,13 +96,24 @@ def _server_pids(marker: bytes) -> list[int]:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if marker in cmdline and any(m in cmdline for m in SERVER_MARKERS):
+            if marker in cmdline and any(m in cmdline for m in markers):
                 pids.append(int(entry.name))
     return pids
 
 
+def _load_groups(marker: bytes) -> set[int]:
+    """Process groups of the run's GuideLLM keepers (one per load level, each leading its own group)."""
+    groups = set()
+    for pid in _server_pids(marker, (b"evaluators.serving.guidellm_runner",)):
+        with contextlib.suppress(OSError):
+            groups.add(os.getpgid(pid))
+    return groups
+
+
 def test_a_killed_run_leaves_no_server_behind(served: dict[str, Any], tmp_path: Path) -> None:
-    """SIGKILL `quantyard serve-bench` while its llama-server is up: within seconds no server process is left."""
+    """SIGKILL `quantyard serve-bench` while its llama-server is under GuideLLM's load: within seconds no server,
+    no GuideLLM process and none of GuideLLM's worker processes (they are in the runner's process group, and
+    their command lines do not name the run) is left."""
     cfg = served["settings"]
     marker = str(tmp_path).encode()  # the run's work folder is in every server's command line (its model path)
     env = {**os.environ, "QUANTYARD_WORK_DIR": str(tmp_path / "work"), "QUANTYARD_CACHE_DIR": str(cfg.cache_dir)}
@@ -109,15 +122,20 @@ def test_a_killed_run_leaves_no_server_behind(served: dict[str, Any], tmp_path: 
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
-        while not _server_pids(marker) and time.monotonic() < deadline and run.poll() is None:
+        while not _load_groups(marker) and time.monotonic() < deadline and run.poll() is None:
             time.sleep(0.2)
         assert _server_pids(marker), "the server never started"
+        groups = _load_groups(marker)
+        assert groups, "GuideLLM never started"
+        time.sleep(3)  # GuideLLM spawns its worker processes
+        assert any(len(group_members(g)) > 1 for g in groups), "GuideLLM started no worker process"
         run.send_signal(signal.SIGKILL)
         run.wait(30)
         deadline = time.monotonic() + 20
-        while _server_pids(marker) and time.monotonic() < deadline:
+        while (_server_pids(marker) or any(group_members(g) for g in groups)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _server_pids(marker) == []
+        assert [pid for g in groups for pid in group_members(g)] == []
     finally:
         if run.poll() is None:
             run.kill()
