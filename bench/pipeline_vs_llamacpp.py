@@ -1,0 +1,344 @@
+"""One job done two ways on this machine, in one run: llama.cpp's own tools by hand, then ``quantyard convert``.
+
+The job: an F16 base GGUF of the checkpoint, Q8_0 + Q4_K_M + Q2_K from it, and each one's PPL and KL-divergence
+against the unquantized model on ``--windows`` windows × 512 tokens of the checkpoint's ``eval.txt``, scored
+like llama-perplexity (the second half of each 512-token chunk: Quantyard's ``--score-from 257``).
+
+* **llama.cpp by hand** (the pinned, cached llama.cpp build of pipeline/llama_cpp.py): ``convert_hf_to_gguf.py
+  --outtype f16``, ``llama-quantize`` ×3, ``llama-perplexity --kl-divergence-base`` on the F16 (stores its
+  log-probs: llama.cpp's reference), then ``llama-perplexity --kl-divergence`` ×3. Each step is timed as a
+  whole process. llama-perplexity's asynchronous log sometimes loses its last lines when captured
+  (evaluators/llamacpp/crosscheck.py reruns it then): only the run that printed its statistics is counted;
+  the time lost to such reruns is printed apart.
+* **Quantyard**: ``python -m pipeline.cli convert CKPT --gguf F16,Q8_0,Q4_K_M,Q2_K --gguf-base f16 --no-speed
+  --eval-text CKPT/eval.txt --window 512 --stride 512 --score-from 257 --max-windows N --json`` in a subprocess
+  with a fresh registry, cache dir and work dir (so the source is hashed, the F16 base converted and the
+  reference computed afresh; only the toolchains, i.e. the llama.cpp build and the tool environments, are
+  shared). Per-step times are the stage times its JSON report records (ConvertReport.stages, ``dispatch_s``);
+  the source hashing runs before the stage graph and is timed by a progress listener the child process
+  installs before it calls the same CLI entry point. Quantyard also registers the F16 as a variant and
+  evaluates it (its KLD against the fp32 reference): those are rows of their own, counted in its total.
+
+Columns of the step table: ``step``; ``llama.cpp s``: seconds of that step by hand ("—": no such step);
+``quantyard s``: seconds of the matching stages; ``what Quantyard's step holds``: what its time includes
+beyond the llama.cpp tool (e.g. a build also reads the output back and checks tokenizer parity). Two rows
+hold the rest of Quantyard's time: ``other, in the flow`` (its report's wall time minus its stages: opening the
+registry, building the graph, the ledger, the report) and ``other, outside the flow`` (the command's wall time
+minus its report's: interpreter start, imports, Prefect's embedded server, printing the JSON). The llama.cpp
+column has no such rows: its whole command is the sum of its steps. The last row is each whole command, and
+the ratio Quantyard / llama.cpp.
+The variant table shows both ways' PPL (they score the same tokens: they should agree closely), KLD (llama.cpp's
+against its F16 GGUF, Quantyard's against transformers in fp32: they differ by the F16's own KLD) and top-1
+agreement. llama.cpp's reference PPL is what ``--kl-divergence`` prints as PPL(base): computed from the 16-bit
+log-probs ``--kl-divergence-base`` stored, so it is off by their rounding.
+
+Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real] [--windows 64] [--threads N] [--out FILE]
+(``--model`` may be given twice; without it both models run, demo first.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from evaluators.llamacpp.crosscheck import LlamaKLD, kl_divergence, save_base
+from pipeline.config import Settings
+from pipeline.cpu import cpu_flags
+from pipeline.llama_cpp import LlamaCppToolchain, llama_cpp_toolchain
+from pipeline.results import kld_of
+
+REPO = Path(__file__).resolve().parents[1]
+QUANTS = ("Q8_0", "Q4_K_M", "Q2_K")
+CTX = 512
+SCORE_FROM = CTX // 2 + 1
+#: The child: times the CLI's progress events (the source hashing runs outside the stage graph, so only its
+#: event says how long it took), then runs the very CLI entry point ``python -m pipeline.cli`` runs.
+CHILD = """\
+import json, sys, time
+from pipeline.progress import listening
+log = open(sys.argv[1], "a")
+def on_event(ev):
+    log.write(json.dumps([time.monotonic(), ev.stage, ev.detail, ev.phase]) + "\\n")
+    log.flush()
+sys.argv = ["quantyard", *sys.argv[2:]]
+with listening(on_event):
+    from pipeline.cli import main
+    main()
+"""
+Row = tuple[str, float | None, float, str]
+
+
+@dataclass
+class Way:
+    """One way's result: seconds per step (in the order run), the whole command, per-variant numbers."""
+
+    steps: dict[str, float] = field(default_factory=dict)
+    total_s: float = 0.0
+    flow_s: float = 0.0  # Quantyard: the flow's own wall time (its report's wall_s)
+    variants: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def checkpoint(name: str, cfg: Settings) -> Path:
+    """The cached demo checkpoint (pipeline/demo_model.py) or the real SmolLM2-135M one (flows/steps.py)."""
+    if name == "real":
+        from flows.steps import real_checkpoint
+
+        return real_checkpoint(cfg)
+    from pipeline.demo_model import cached_demo_model
+
+    return cached_demo_model(cfg.cache_dir)
+
+
+def _timed(cmd: list[str], env: dict[str, str]) -> float:
+    """Seconds one tool process took. Raises RuntimeError when it fails."""
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} exited {res.returncode}: {(res.stdout + res.stderr)[-2000:]}")
+    return wall
+
+
+def by_hand(ckpt: Path, tools: LlamaCppToolchain, python: str, work: Path, windows: int, threads: int) -> Way:
+    """llama.cpp's tools, one after the other, as a user would type them."""
+    way = Way()
+    t0 = time.perf_counter()
+    base = work / "model-F16.gguf"
+    convert = [python, str(tools.converter), str(ckpt), "--outfile", str(base), "--outtype", "f16"]
+    way.steps["convert"] = _timed(convert, tools.converter_env())
+    for q in QUANTS:
+        quantize = [str(tools.exe("llama-quantize")), str(base), str(work / f"model-{q}.gguf"), q, str(threads)]
+        way.steps[f"quantize:{q}"] = _timed(quantize, tools.env())
+    kld_base = work / "base.kld"
+    text = ckpt / "eval.txt"
+    way.steps["reference"] = save_base(tools, base, text, kld_base, ctx=CTX, chunks=windows, threads=threads)
+    lost = 0.0
+    for q in QUANTS:
+        t1 = time.perf_counter()
+        out: LlamaKLD = kl_divergence(tools, work / f"model-{q}.gguf", kld_base, threads=threads)
+        lost += time.perf_counter() - t1 - out.wall_s
+        way.steps[f"evaluate:{q}"] = out.wall_s
+        way.variants[q] = {"ppl": out.ppl, "kld": out.kld_mean, "top1_pct": out.same_top_pct, "ref_ppl": out.ppl_base}
+    way.total_s = sum(way.steps.values())
+    way.notes.append(
+        f"llama.cpp: {time.perf_counter() - t0:.1f} s of wall time, of which {lost:.1f} s reran "
+        "llama-perplexity after its log lost its last lines (not counted)"
+    )
+    return way
+
+
+def fresh_env(cfg: Settings, tmp: Path) -> dict[str, str]:
+    """Quantyard's environment for a fresh run: cache, work and log dirs in ``tmp``; toolchains shared."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTYARD_")}
+    env.update(
+        QUANTYARD_CACHE_DIR=str(tmp / "cache"),
+        QUANTYARD_WORK_DIR=str(tmp / "work"),
+        QUANTYARD_LOGS_DIR=str(tmp / "logs"),
+        QUANTYARD_ENVS_DIR=str(cfg.envs_root),
+        QUANTYARD_LLAMA_CPP_TOOLS=str(llama_cpp_toolchain(cfg).tools_dir),
+        QUANTYARD_CORE_PYTHON=cfg.core_python,
+    )
+    return env
+
+
+def quantyard(ckpt: Path, cfg: Settings, work: Path, windows: int, threads: int) -> Way:
+    """``quantyard convert`` in a subprocess on a fresh registry, cache and work dir.
+    Raises RuntimeError when it fails or a stage did not run."""
+    events = work / "events.jsonl"
+    opts = {
+        "--name": "bench",
+        "--gguf": ",".join(("F16", *QUANTS)),
+        "--gguf-base": "f16",
+        "--eval-text": str(ckpt / "eval.txt"),
+        "--window": str(CTX),
+        "--stride": str(CTX),
+        "--score-from": str(SCORE_FROM),
+        "--max-windows": str(windows),
+        "--threads": str(threads),
+        "--registry": str(work / "registry"),
+    }
+    flags = [x for pair in opts.items() for x in pair]
+    cmd = [sys.executable, "-c", CHILD, str(events), "convert", str(ckpt), *flags, "--no-speed", "--json"]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=fresh_env(cfg, work), cwd=REPO)
+    total = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise RuntimeError(f"quantyard convert exited {res.returncode}: {(res.stdout + res.stderr)[-3000:]}")
+    report = json.loads(res.stdout)
+    way = Way(total_s=total, flow_s=float(report["wall_s"]))
+    way.steps["hash"] = _event_s(events, "resolve", str(ckpt))  # before the stage graph: not among its stages
+    for entry in report["stages"]:
+        if entry["status"] in ("failed", "skipped", "reused"):
+            raise RuntimeError(f"stage {entry['stage']} {entry['status']} in a fresh run: {entry.get('error')}")
+        way.steps[entry["stage"]] = float(entry["dispatch_s"] or 0.0)
+    for v in report["variants"]:
+        m = v["quality"] or {}
+        top1 = m.get("top1_agreement")
+        way.variants[v["variant"]] = {
+            "ppl": m.get("ppl"),
+            "kld": kld_of(m).value,
+            "ref_ppl": m.get("ref_ppl"),
+            "top1_pct": None if top1 is None else 100 * top1,
+        }
+    ws = report.get("window_set") or {}
+    way.notes.append(
+        f"Quantyard: {ws.get('n_windows')} windows, {ws.get('n_scored')} scored positions "
+        f"(window set {str(ws.get('id', ''))[:12]}); its report's own wall {report['wall_s']:.1f} s"
+    )
+    return way
+
+
+def _event_s(path: Path, stage: str, detail: str) -> float:
+    """Seconds between the start and the end of one progress event the child logged."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    marks = {phase: t for t, s, d, phase in lines if s == stage and d == detail}
+    return float(marks["done"] - marks["start"])
+
+
+def _sum(steps: dict[str, float], *prefixes: str) -> float:
+    return sum(v for k, v in steps.items() if k.startswith(prefixes))
+
+
+def step_rows(hand: Way, qy: Way) -> list[Row]:
+    """(step, llama.cpp s, quantyard s, what Quantyard's step holds), in the order of the job."""
+    h, q = hand.steps, qy.steps
+    rows: list[Row] = [
+        (
+            "resolve (hash the source)",
+            None,
+            q["hash"] + q.get("resolve", 0.0),
+            "content hash, checkpoint load, format checks",
+        ),
+        ("F16 conversion", h["convert"], _sum(q, "prepare:"), "convert_hf_to_gguf.py + reading the file back"),
+    ]
+    built = "llama_model_quantize worker + GGUF check + tokenizer parity"
+    rows += [(f"  quantize {t}", h[f"quantize:{t}"], q[f"build:{t}"], built) for t in QUANTS]
+    rows += [
+        ("3 quantizations", _sum(h, "quantize:"), sum(q[f"build:{t}"] for t in QUANTS), "(build stages)"),
+        ("F16 variant (copy of the base, checks)", None, q["build:F16"], "Quantyard only"),
+        ("register 4 variants (blob store + DB)", None, _sum(q, "register:"), "Quantyard only"),
+        ("reference", h["reference"], q["reference"], "window set + transformers fp32 log-probs, stored"),
+    ]
+    rows += [(f"  evaluate {t}", h[f"evaluate:{t}"], _sum(q, f"evaluate:{t}:"), "runner, exact KLD") for t in QUANTS]
+    rows += [
+        ("3 evaluations", _sum(h, "evaluate:"), sum(_sum(q, f"evaluate:{t}:") for t in QUANTS), "(evaluate stages)"),
+        ("F16 evaluation (its KLD vs fp32)", None, _sum(q, "evaluate:F16:"), "Quantyard only"),
+    ]
+    shown = ("hash", "resolve", "prepare:", "build:", "register:", "reference", "evaluate:")
+    unshown = {k: v for k, v in q.items() if not k.startswith(shown)}
+    if unshown:
+        rows.append((f"other stages ({', '.join(unshown)})", None, sum(unshown.values()), "Quantyard only"))
+    outside = qy.total_s - qy.flow_s
+    rows += [
+        ("other, in the flow", None, qy.flow_s - sum(q.values()), "registry, sweep, graph, ledger, report"),
+        ("other, outside the flow", None, outside, "interpreter, imports, Prefect's embedded server, JSON"),
+    ]
+    return rows
+
+
+def fmt_num(v: float | None, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def tables(model: str, windows: int, hand: Way, qy: Way) -> str:
+    """The step table and the variant table of one model, in Markdown."""
+    out = [
+        f"### {model}: {windows} windows × {CTX} tokens, positions {SCORE_FROM}..{CTX - 1} scored",
+        "",
+        "| step | llama.cpp s | quantyard s | what Quantyard's step holds |",
+        "|---|---:|---:|---|",
+    ]
+    out += [f"| {s} | {fmt_num(h, '.1f')} | {fmt_num(q, '.1f')} | {what} |" for s, h, q, what in step_rows(hand, qy)]
+    ratio = qy.total_s / hand.total_s
+    out += [
+        f"| **whole command** | **{hand.total_s:.1f}** | **{qy.total_s:.1f} = {ratio:.2f}×** | |",
+        "",
+        "| variant | PPL llama.cpp | PPL quantyard | KLD llama.cpp | KLD quantyard | top-1 % llama.cpp "
+        "| top-1 % quantyard |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    ref_hand = next(iter(hand.variants.values()))["ref_ppl"]
+    ref_qy = next(iter(qy.variants.values()))["ref_ppl"]
+    out.append(
+        f"| reference (llama.cpp: F16 GGUF, from its stored 16-bit log-probs; quantyard: fp32) "
+        f"| {fmt_num(ref_hand, '.4f')} | {fmt_num(ref_qy, '.4f')} | | | | |"
+    )
+    for name, q in qy.variants.items():
+        h = hand.variants.get(name, {})
+        out.append(
+            f"| {name} | {fmt_num(h.get('ppl'), '.4f')} | {fmt_num(q['ppl'], '.4f')} "
+            f"| {fmt_num(h.get('kld'), '.6f')} | {fmt_num(q['kld'], '.6f')} "
+            f"| {fmt_num(h.get('top1_pct'), '.2f')} | {fmt_num(q['top1_pct'], '.2f')} |"
+        )
+    out += [""] + [f"- {n}" for n in hand.notes + qy.notes]
+    return "\n".join(out)
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO).stdout.strip()
+
+
+def header(argv: list[str], load: tuple[float, float, float], threads: int) -> str:
+    """Command, commit, CPU model and ISA flags, load average at start, date."""
+    code = ("pipeline", "flows", "converters", "evaluators", "registry", "bench/pipeline_vs_llamacpp.py")
+    dirty = " (with uncommitted changes)" if _git("status", "--porcelain", "--", *code) else ""
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), platform.processor())
+    return "\n".join(
+        [
+            f"# command: python {' '.join(argv)}",
+            f"# commit: {_git('rev-parse', '--short', 'HEAD')}{dirty}",
+            f"# CPU: {cpu}, {os.cpu_count()} cores, ISA flags: {cpu_flags()}; threads {threads}",
+            f"# load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min)",
+            f"# date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        ]
+    )
+
+
+def run_model(name: str, cfg: Settings, windows: int, threads: int) -> str:
+    """Both ways on one checkpoint, in a temporary folder; the tables."""
+    ckpt = checkpoint(name, cfg)
+    tools = llama_cpp_toolchain(cfg)
+    tools.meta()  # fail now, not after the first way, when the converter is missing
+    with tempfile.TemporaryDirectory(dir=cfg.work_root, prefix="bench-vs-llamacpp-") as tmp:
+        root = Path(tmp)
+        (root / "llama").mkdir()
+        (root / "quantyard").mkdir()
+        print(f"[{name}] llama.cpp by hand ...", file=sys.stderr, flush=True)
+        hand = by_hand(ckpt, tools, cfg.core_python, root / "llama", windows, threads)
+        print(f"[{name}] quantyard convert ...", file=sys.stderr, flush=True)
+        qy = quantyard(ckpt, cfg, root / "quantyard", windows, threads)
+    return tables(f"{name} ({ckpt})", windows, hand, qy)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append", choices=("demo", "real"), help="repeatable; default: both")
+    ap.add_argument("--windows", type=int, default=64, help="512-token windows of eval.txt (default 64)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", type=Path, default=None, help="also write the tables, with a header, here")
+    args = ap.parse_args()
+    load = os.getloadavg()
+    cfg = Settings(threads=args.threads)
+    parts = [header(sys.argv, load, args.threads)]
+    print(parts[0] + "\n", flush=True)
+    for name in args.model or ["demo", "real"]:
+        parts.append(run_model(name, cfg, args.windows, args.threads))
+        print(parts[-1] + "\n", flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n\n".join(parts) + "\n")
+
+
+if __name__ == "__main__":
+    main()
