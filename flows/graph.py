@@ -17,7 +17,8 @@ same ledger:
   on the work pool its placement names, in parallel where the graph allows.
 
 So either executor reuses what the other recorded, and :func:`settle` (reuse or skip, before running) and
-:func:`report` (the run's ConvertReport from the stages' outcomes) are shared by both.
+:func:`report` (the run's ConvertReport from the stages' outcomes) are shared by both. :func:`decide` adds the
+embedded executor's rule for feeder stages; flows/reuse.py applies it to a whole re-run before Prefect starts.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ StageStatus = Literal["ran", "reused", "failed", "skipped", "not_needed"]
 FINISHED: frozenset[str] = frozenset({"ran", "reused", "not_needed"})
 #: Keys tried for one stage: the key itself, then retries when a recorded output vanished from the registry.
 KEY_RETRIES = 4
+#: Stages whose only purpose is to feed others: run only when a stage that reads them has to run.
+FEEDERS: frozenset[str] = frozenset({"prepare", "reference"})
 
 
 class StageRequest(Frozen):
@@ -328,6 +331,32 @@ def settle(reg: Registry, request: StageRequest,
     return None, request
 
 
+def needed(reg: Registry, graph: Graph, name: str, outcomes: dict[str, StageOutcome]) -> bool:
+    """Whether stage ``name`` must run in a run that goes through the graph in order (the embedded executor):
+    a stage that is not a feeder always; a feeder only when some stage reading it is not recorded and can run
+    (its other upstream stages finished, or are still to come)."""
+    if graph.nodes[name].request.stage not in FEEDERS:
+        return True
+    for dependent in graph.dependents(name):
+        node = graph.nodes[dependent]
+        others = [outcomes[d].status for d in node.deps if d != name and d in outcomes]
+        if all(s in FINISHED for s in others) and reusable(reg, node.request)[0] is None:
+            return True
+    return False
+
+
+def decide(reg: Registry, graph: Graph, name: str,
+           outcomes: dict[str, StageOutcome]) -> tuple[StageOutcome | None, StageRequest]:
+    """What a run going through the graph in order does with stage ``name``, given the outcomes of the stages
+    before it: its outcome without running it (skipped, reused, or ``not_needed`` for a feeder no stage to
+    run reads), or ``None`` and the request to run."""
+    node = graph.nodes[name]
+    settled, request = settle(reg, node.request, [outcomes[d] for d in node.deps])
+    if settled is None and not needed(reg, graph, name, outcomes):
+        settled = request.outcome("not_needed")
+    return settled, request
+
+
 # --- the run's report, from its stages ------------------------------------------------------------
 
 #: What a stage's recorded events become in the report (``EVENT:SUBJECT``; the subject is the variant, or
@@ -460,5 +489,5 @@ def publish(report: ConvertReport) -> None:
                               description=f"Quantyard results for {report.model} ({report.source['identity']})")
 
 
-__all__ = ["FINISHED", "OUTPUTS", "Graph", "Node", "StageName", "StageOutcome", "StageRequest", "build_graph",
-           "outputs_of", "publish", "report", "reusable", "settle"]
+__all__ = ["FEEDERS", "FINISHED", "OUTPUTS", "Graph", "Node", "StageName", "StageOutcome", "StageRequest",
+           "build_graph", "decide", "needed", "outputs_of", "publish", "report", "reusable", "settle"]

@@ -8,6 +8,8 @@ the GGUF base is cached per source, and window sets and reference log-probs are 
 source. A preparation or the reference runs only when a stage that reads it must run. A source that fails
 its checks or its preparation stops the run with that error and leaves the registry as it was; one variant
 failing (conversion or engine) is recorded and the others go on; a full disk stops the run with its error.
+A re-run whose every stage is recorded does not reach this flow: flows/reuse.py decides it before Prefect
+starts.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from flows import steps
-from flows.graph import FINISHED, Graph, StageOutcome, StageRequest, build_graph, publish, report, reusable, settle
+from flows.graph import Graph, StageOutcome, StageRequest, build_graph, decide, publish, report
 from flows.ledger import StageRecord, pinned_input
 from flows.stages import BODIES, SOURCE_STAGES, InProcess, run_stage
 from pipeline.config import Settings
@@ -34,8 +36,6 @@ from registry.store import Registry
 # task(**options)(fn) is what task(fn, **options) does at run time; only this form is in Prefect's typed
 # overloads, so the Task keeps the step's parameter and return types.
 resolve_task = task(name="resolve-source", cache_policy=NONE)(steps.resolve)
-#: Stages whose only purpose is to feed others: run only when a stage that reads them has to run.
-FEEDERS = frozenset({"prepare", "reference"})
 
 
 @task(name="stage", task_run_name="{request.name}", cache_policy=NONE)
@@ -44,26 +44,10 @@ def stage_here(request: StageRequest, here: InProcess) -> StageRecord:
     return run_stage(request, None, BODIES[request.stage], here)
 
 
-def _needed(reg: Registry, graph: Graph, name: str, outcomes: dict[str, StageOutcome]) -> bool:
-    """Whether a feeder stage must run: some stage reading it is not recorded and can run (its other
-    upstream stages finished, or are still to come)."""
-    if graph.nodes[name].request.stage not in FEEDERS:
-        return True
-    for dependent in graph.dependents(name):
-        node = graph.nodes[dependent]
-        others = [outcomes[d].status for d in node.deps if d != name and d in outcomes]
-        if all(s in FINISHED for s in others) and reusable(reg, node.request)[0] is None:
-            return True
-    return False
-
-
 def _run(reg: Registry, graph: Graph, name: str, outcomes: dict[str, StageOutcome], here: InProcess) -> StageOutcome:
-    node = graph.nodes[name]
-    settled, request = settle(reg, node.request, [outcomes[d] for d in node.deps])
+    settled, request = decide(reg, graph, name, outcomes)
     if settled is not None:
         return settled
-    if not _needed(reg, graph, name, outcomes):
-        return request.outcome("not_needed")
     t0 = time.perf_counter()
     try:
         with stage(request.stage, request.variant or request.fmt or ""):

@@ -1,4 +1,4 @@
-"""Running a recipe (pipeline/recipe.py): every source's plan, in one process (``convert_flow``) or as
+"""Running a recipe (pipeline/recipe.py): every source's plan, in one process (``flows.reuse.convert``) or as
 stages on the work pools (``orchestrate_flow``), then the recipe's quality policy on what was evaluated."""
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ class RecipeRun(BaseModel):
 def run_plan(plan: Plan, recipe: Recipe, settings: Settings, mode: Mode) -> RecipeRun:
     """One source of a recipe: convert (embedded) or orchestrate (distributed / local stages), then judge."""
     if mode == "embedded":
-        from flows.quantize import convert_flow
+        from flows.reuse import convert
 
-        report = convert_flow(plan, settings)
+        report = convert(plan, settings)  # a finished plan: from the stage ledger, without starting Prefect
     else:
         from flows.orchestrate import orchestrate_flow
 

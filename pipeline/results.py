@@ -126,6 +126,9 @@ class ConvertReport(BaseModel):
     #: One entry per stage of the run's graph (flows/graph.py): stage, pool, key, status (ran | reused |
     #: failed | skipped | not_needed), error, error_type, flow_run_id, work_pool, work_s, wall_s, dispatch_s, deps.
     stages: list[dict[str, Any]] = Field(default_factory=list)
+    #: True when every stage was reused from the stage ledger and the run was decided before Prefect started
+    #: (flows/reuse.py): no flow run, no Prefect table artifacts.
+    ledger_only: bool = False
 
     def count(self, event: str) -> int:
         return sum(1 for e in self.events if e == event or e.startswith(event + ":"))

@@ -143,10 +143,10 @@ def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
     from pipeline.shown import table_rows
 
     prefect_defaults()
-    from flows.quantize import convert_flow
+    from flows.reuse import convert
 
     with progress(not as_json):
-        report = convert_flow(plan, cfg)
+        report = convert(plan, cfg)  # a finished plan's re-run: from the stage ledger, without starting Prefect
     if as_json:
         print_json(report.model_dump(mode="json"))
     else:
@@ -156,6 +156,8 @@ def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
                    f" · reference PPL {ref.get('ppl', float('nan')):.4f} ({ref.get('engine_version', '—')})"
                    if report.reference else None)
         console.print(results_table(f"{report.model}  ({report.wall_s:.1f} s)", table_rows(report.variants), caption))
+        if report.ledger_only:
+            console.print("every stage reused from the stage ledger: decided without starting Prefect")
         note = _source_note(report.source)
         if note:
             console.print(f"[yellow]note[/]: {note}")

@@ -1,13 +1,12 @@
 """The one stage graph both executors run (flows/graph.py), and the embedded executor's rule for the stages
-that only feed others (flows/quantize.py): its shape, its keys, and when a preparation or the reference
+that only feed others (flows/graph.py: needed): its shape, its keys, and when a preparation or the reference
 is not needed. Real plans, real stage keys (lock hashes), a real registry; no stage runs here."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from flows.graph import Graph, StageOutcome, StageStatus, build_graph
-from flows.quantize import _needed
+from flows.graph import Graph, StageOutcome, StageStatus, build_graph, needed
 from pipeline.plan import EvalSpec, Plan, ServingSpec, SourceInput, variants_from_flags
 from pipeline.recipe import Placement
 from registry import open_registry
@@ -60,15 +59,15 @@ def test_feeders_run_only_for_a_stage_that_can_run(tmp_path: Path) -> None:
         return graph.nodes[name].request.outcome(status)
 
     # nothing recorded: every build needs the preparation
-    assert _needed(reg, graph, "prepare:gguf", {"resolve": outcome("resolve", "ran")})
+    assert needed(reg, graph, "prepare:gguf", {"resolve": outcome("resolve", "ran")})
     # every registration failed: no evaluation can run, so the reference is not computed
     failed = {n: outcome(n, "failed") for n in graph.nodes if n.startswith(("build", "register"))}
-    assert not _needed(reg, graph, "reference", {"resolve": outcome("resolve", "ran"), **failed})
+    assert not needed(reg, graph, "reference", {"resolve": outcome("resolve", "ran"), **failed})
     # one registration finished: its evaluation will run and needs the reference
     failed["register:Q8_0"] = outcome("register:Q8_0", "ran")
-    assert _needed(reg, graph, "reference", {"resolve": outcome("resolve", "ran"), **failed})
+    assert needed(reg, graph, "reference", {"resolve": outcome("resolve", "ran"), **failed})
     # a stage that is not a feeder always runs
-    assert _needed(reg, graph, "build:Q8_0", {})
+    assert needed(reg, graph, "build:Q8_0", {})
 
 
 def test_serving_adds_one_serve_stage_per_variant_after_its_registration() -> None:
