@@ -154,7 +154,8 @@ def header(argv: list[str], settings: Settings) -> list[str]:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    changed = " ".join(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
+    dirty = git("status", "--porcelain", "--untracked-files=no")  # stripped: the first line lost its status column
+    changed = " ".join(line.split(maxsplit=1)[-1] for line in dirty.splitlines())
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     return [f"# python bench/serving.py {shlex.join(argv)}",
