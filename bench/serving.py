@@ -119,24 +119,39 @@ def serve_and_load(engine: Engine, model: Path, tokenizer: Path, profile: LoadPr
         first = next(d for d in sorted((out / "load").iterdir()) if d.name.endswith("-c1"))
         curl = [curl_ttft_ms(f"{srv.base_url}/v1/completions", b) for b in sent_bodies(first, n_curl)]
         info = srv.info
+        memory = srv.memory_info()
     ours = [r.t_first - r.t_sent for r in levels[0].requests_log if r.t_first is not None and r.error is None]
     return {"engine": str(engine), "server": f"{info.server} {info.version}", "levels": levels,
-            "curl_ms": curl, "ours_c1_ms": [1000.0 * x for x in ours]}
+            "curl_ms": curl, "ours_c1_ms": [1000.0 * x for x in ours], "memory": memory}
 
 
 def _cells(lv: LevelStats) -> str:
     ttft = lv.ttft_ms
     p50, p99 = (f"{ttft.median:9.1f}", f"{ttft.p99:9.1f}") if ttft else ("—", "—")
     tok = f"{lv.output_throughput:9.1f}" if lv.output_throughput is not None else "—"
-    return f"{p50} {p99} {tok} {lv.completed:>4}/{lv.requests:<4} {lv.failed:>3}"
+    rss = f"{lv.rss_peak_bytes / 2**20:9.0f}" if lv.rss_peak_bytes else f"{'—':>9}"
+    return f"{p50} {p99} {tok} {lv.completed:>4}/{lv.requests:<4} {lv.failed:>3} {rss}"
+
+
+def _mib(x: int | None) -> str:
+    return "—" if x is None else f"{x / 2**20:.1f} MiB"
 
 
 def table(rows: list[dict[str, Any]], profile: LoadProfile) -> list[str]:
     out = [f"{'variant / server':<44} {'users':>5} {'p50 TTFT':>9} {'p99 TTFT':>9} {'out tok/s':>9} "
-           f"{'done/req':>9} {'fail':>3}"]
+           f"{'done/req':>9} {'fail':>3} {'peak RSS MiB':>9}"]
     for row in rows:
         for lv in row["levels"]:
             out.append(f"{row['name'][:44]:<44} {lv.concurrency:>5} {_cells(lv)}")
+    out.append("")
+    out.append("memory, measured (RSS: the sum over the server's processes, sampled every 100 ms; shared pages "
+               "count once per process, so for vLLM's several processes it overstates)")
+    for row in rows:
+        m = row["memory"]
+        kv = f"{_mib(m.kv_cache_bytes)} for {m.kv_cache_tokens} tokens" if m.kv_cache_bytes else "not reported"
+        out.append(f"  {row['name'][:44]:<44} weights {_mib(m.weights_bytes)}, "
+                   f"after load {_mib(m.rss_after_load_bytes)}, peak {_mib(m.rss_peak_bytes)}; "
+                   f"KV cache {kv} ({m.concurrency} slots × {m.context} tokens asked)")
     out.append("")
     out.append("client overhead at 1 user (same server, same request bodies, one at a time): median TTFT ms")
     for row in rows:
