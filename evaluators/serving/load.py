@@ -18,8 +18,12 @@ and ``vllm bench serve``).
 Levels (:func:`profile_levels`): closed loop, ``concurrent`` in GuideLLM (``streams`` = users: each user sends
 its next request when its previous one ends), one level per ``profile.concurrencies``; open loop, GuideLLM's
 ``poisson`` at each of ``profile.rates`` requests/s. Each level sends ``warmup_requests + requests_per_level``
-requests; the first ``warmup_requests`` sent (by send time) are warm-up and are dropped before any metric, the
-rest are the measured requests (GuideLLM's own time-based warm-up is not used). A request that passes
+requests, plus in a closed loop a cool-down tail of one request per user (:func:`tail_requests`); by send time,
+the first ``warmup_requests`` are warm-up and the tail is cool-down, both dropped before any metric, and the
+``requests_per_level`` between them are measured (GuideLLM's own time-based warm-up is not used). The tail runs
+while users stop, with fewer requests in flight than the level's users, and GuideLLM 0.8.1 can finalize a
+closed-loop benchmark while its last request is still in flight, leaving it out of its report (seen here at 1
+user: 7 sent, 6 reported). A request that passes
 ``profile.timeout_s`` fails (the backend's deadline, and GuideLLM's read timeout for a silent server). An
 open-loop sweep stops after the first rate that does not meet the SLO (``metrics.level_meets_slo``): that rate
 and the one below it are the knee (``metrics.find_knee``), so a saturated server is a measured knee, not a
@@ -182,7 +186,7 @@ def guidellm_scenario(target: Target, profile: LoadProfile, level: Level, seed: 
                     "request_format": REQUEST_FORMAT, "timeout": profile.timeout_s, "http2": False,
                     "stream": True, "validate_backend": False, "extras": {"body": body}},
         "profile": strategy,
-        "constraints": [{"kind": "max_requests", "count": profile.warmup_requests + profile.requests_per_level}],
+        "constraints": [{"kind": "max_requests", "count": requests_sent(profile, level)}],
         "tokenizer": {"kind": "huggingface_auto", "model": str(target.tokenizer)},
         "data": [{"kind": "synthetic_text", "prompt_tokens": profile.prompt_tokens,
                   "output_tokens": profile.output_tokens}],
@@ -191,10 +195,21 @@ def guidellm_scenario(target: Target, profile: LoadProfile, level: Level, seed: 
         "metrics": {"kind": "generative", "sample_size": None}}}
 
 
+def tail_requests(level: Level) -> int:
+    """Requests sent after the measured ones and not measured: one per user in a closed loop, none in an open
+    loop (its arrivals do not wait for the measured requests)."""
+    return (level.concurrency or 1) if level.mode == "concurrency" else 0
+
+
+def requests_sent(profile: LoadProfile, level: Level) -> int:
+    """Warm-up, measured and tail requests of one level."""
+    return profile.warmup_requests + profile.requests_per_level + tail_requests(level)
+
+
 def level_timeout_s(profile: LoadProfile, level: Level) -> float:
     """A bound on one level's GuideLLM run: every request at its timeout, in waves of ``concurrency`` (closed
     loop) or after the last Poisson arrival (open loop), plus :data:`STARTUP_S`."""
-    total = profile.warmup_requests + profile.requests_per_level
+    total = requests_sent(profile, level)
     if level.mode == "concurrency":
         busy = math.ceil(total / max(1, level.concurrency or 1)) * profile.timeout_s
     else:
@@ -224,11 +239,12 @@ def _record(entry: dict[str, Any], t0: float) -> RequestRecord:
                          output_tokens_client=_int(entry.get("output_tokens_client")), error=error)
 
 
-def to_records(entries: Sequence[dict[str, Any]], warmup: int) -> list[RequestRecord]:
+def to_records(entries: Sequence[dict[str, Any]], warmup: int, measured_n: int | None = None) -> list[RequestRecord]:
     """The measured requests of one level: the runner's entries that were sent, by send time, without the first
-    ``warmup``; times relative to the first measured send."""
+    ``warmup`` and, given ``measured_n``, without those after the first ``measured_n`` measured (the tail); times
+    relative to the first measured send."""
     sent = sorted((e for e in entries if e.get("request_start") is not None), key=lambda e: e["request_start"])
-    measured = sent[warmup:]
+    measured = sent[warmup:] if measured_n is None else sent[warmup:warmup + measured_n]
     if not measured:
         return []
     t0 = float(measured[0]["request_start"])
@@ -267,7 +283,7 @@ def run_level(python: str, target: Target, profile: LoadProfile, level: Level, l
                           engine=ENV, returncode=res.returncode, stderr_tail=res.stderr_tail,
                           hint=f"read {res.log}")
     entries = json.loads(result.read_text())["requests"]
-    return to_records(entries, profile.warmup_requests)
+    return to_records(entries, profile.warmup_requests, profile.requests_per_level)
 
 
 def check_server(base_url: str, timeout_s: float = 10.0) -> None:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from evaluators.serving.load import TOOL, run_load, sweep_profile, to_records
-from evaluators.serving.metrics import Slo, find_knee
+from evaluators.serving.load import TOOL, requests_sent, run_load, sweep_profile, tail_requests, to_records
+from evaluators.serving.metrics import Level, Slo, find_knee
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.errors import EngineError
@@ -110,7 +110,9 @@ def test_closed_loop_measures_the_mock_servers_latencies(mock_server: str, demo_
     one, four = levels[0].request_throughput, levels[1].request_throughput
     assert one is not None and four is not None and four > 2 * one
     report = json.loads((tmp_path / "01-c1" / "guidellm-report.json").read_text())
-    assert len(report["benchmarks"][0]["requests"]["successful"]) == 9  # warm-up + measured, all kept
+    # warm-up + measured + the 1-user tail were sent (GuideLLM may leave the last, in flight, out of its report)
+    assert len(report["benchmarks"][0]["requests"]["successful"]) in (9, 10)
+    assert report["benchmarks"][0]["scheduler_state"]["created_requests"] == 10
 
 
 def test_warmup_requests_are_the_first_sent() -> None:
@@ -123,6 +125,20 @@ def test_warmup_requests_are_the_first_sent() -> None:
     assert [r.t_sent for r in records] == [0.0, 1.0, 2.0]  # 101 was warm-up; times from the first measured send
     assert records[0].token_times == [pytest.approx(0.1), pytest.approx(0.2)]
     assert records[-1].error == "ReadTimeout()" and records[-1].output_tokens is None
+
+
+def test_the_tail_after_the_measured_requests_is_not_measured() -> None:
+    """A closed loop sends one more request per user after the measured ones: they run as users stop, and the
+    last may be missing from GuideLLM's report; the measured requests are the ones between warm-up and tail."""
+    assert tail_requests(Level(mode="concurrency", concurrency=4)) == 4
+    assert tail_requests(Level(mode="poisson", rate=2.0)) == 0
+    assert requests_sent(_profile(), Level(mode="concurrency", concurrency=4)) == 1 + 8 + 4
+    entries = [{"status": "successful", "request_start": float(t), "first_token": t + 0.1, "last_token": t + 0.2,
+                "token_times": [t + 0.1, t + 0.2], "usage": {"prompt_tokens": 5, "completion_tokens": 2},
+                "output_tokens_client": 2, "error": None} for t in range(6)]
+    records = to_records(entries, warmup=1, measured_n=3)
+    assert [r.t_sent for r in records] == [0.0, 1.0, 2.0]  # sent at 1, 2, 3: 0 was warm-up, 4 and 5 the tail
+    assert len(to_records(entries[:4], warmup=1, measured_n=3)) == 3  # the tail left out of the report
 
 
 def test_no_server_is_a_clear_error(guidellm_settings: Settings, demo_model: Path, tmp_path: Path) -> None:
