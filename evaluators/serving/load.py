@@ -72,6 +72,13 @@ STARTUP_S = 240.0
 #: GuideLLM worker processes: one asyncio process holds hundreds of streams (as vllm bench serve does) and
 #: leaves the CPU to the server.
 WORKERS = 1
+#: Seconds GuideLLM waits between starting its worker processes and the first scheduled request (its default is
+#: 1 s). Poisson arrival times are counted from that start: workers that start later, as on a busy 2-core
+#: machine, find every arrival already due and send them at once (seen here: 16 requests in 0.04 s at 2/s).
+START_DELAY_S = 5.0
+#: A Poisson level whose measured requests were sent within this fraction of the time its rate implies was not
+#: paced by GuideLLM (for 16 requests the chance of that from a Poisson process is below 1e-10): an error.
+BURST_FRACTION = 0.1
 
 
 class LevelPeaks(Protocol):
@@ -270,7 +277,8 @@ def run_level(python: str, target: Target, profile: LoadProfile, level: Level, l
                "tokenizer": str(target.tokenizer), "timeout_s": profile.timeout_s, "result": str(result)}
     write_atomic(level_dir / "request.json", json.dumps(request, indent=1))
     env = child_env({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
-                     "GUIDELLM__MAX_WORKER_PROCESSES": str(WORKERS)})
+                     "GUIDELLM__MAX_WORKER_PROCESSES": str(WORKERS),
+                     "GUIDELLM__SCHEDULER_START_DELAY_NON_DISTRIBUTED": str(START_DELAY_S)})
     # Under the keeper (evaluators/serving/keeper.py), as servers are: GuideLLM spawns worker processes of
     # its own, which the death signal of run_logged would not reach, and a killed run must leave none.
     keeper = [python, "-m", KEEPER, str(os.getpid()), "--"]
@@ -283,7 +291,27 @@ def run_level(python: str, target: Target, profile: LoadProfile, level: Level, l
                           engine=ENV, returncode=res.returncode, stderr_tail=res.stderr_tail,
                           hint=f"read {res.log}")
     entries = json.loads(result.read_text())["requests"]
-    return to_records(entries, profile.warmup_requests, profile.requests_per_level)
+    records = to_records(entries, profile.warmup_requests, profile.requests_per_level)
+    check_paced(records, level, level_dir)
+    return records
+
+
+def check_paced(records: Sequence[RequestRecord], level: Level, level_dir: Path) -> None:
+    """Fail a Poisson level whose requests went out in a burst instead of at its rate (see :data:`BURST_FRACTION`).
+
+    Raises:
+        EngineError: the measured requests' send times span less than BURST_FRACTION of (n - 1) / rate.
+    """
+    if level.mode != "poisson" or not level.rate or len(records) < 3:
+        return
+    span = max(r.t_sent for r in records) - min(r.t_sent for r in records)
+    expected = (len(records) - 1) / level.rate
+    if span < BURST_FRACTION * expected:
+        raise EngineError(f"GuideLLM sent {len(records)} requests in {span:.3f} s at a Poisson rate of "
+                          f"{level.rate:g}/s (about {expected:.1f} s expected): the arrivals were not paced, so "
+                          "the level measures a burst, not its rate", engine=ENV,
+                          hint=f"its workers probably started late on a busy machine; read {level_dir}/guidellm.err "
+                               "and run it again on a quieter machine")
 
 
 def check_server(base_url: str, timeout_s: float = 10.0) -> None:

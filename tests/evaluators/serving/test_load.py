@@ -24,12 +24,20 @@ from pathlib import Path
 
 import pytest
 
-from evaluators.serving.load import TOOL, requests_sent, run_load, sweep_profile, tail_requests, to_records
+from evaluators.serving.load import (
+    TOOL,
+    check_paced,
+    requests_sent,
+    run_load,
+    sweep_profile,
+    tail_requests,
+    to_records,
+)
 from evaluators.serving.metrics import Level, Slo, find_knee
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.errors import EngineError
-from pipeline.serving import LevelStats, LoadProfile
+from pipeline.serving import LevelStats, LoadProfile, RequestRecord
 
 pytestmark = pytest.mark.slow
 
@@ -139,6 +147,20 @@ def test_the_tail_after_the_measured_requests_is_not_measured() -> None:
     records = to_records(entries, warmup=1, measured_n=3)
     assert [r.t_sent for r in records] == [0.0, 1.0, 2.0]  # sent at 1, 2, 3: 0 was warm-up, 4 and 5 the tail
     assert len(to_records(entries[:4], warmup=1, measured_n=3)) == 3  # the tail left out of the report
+
+
+def test_a_poisson_level_sent_in_a_burst_is_an_error(tmp_path: Path) -> None:
+    """GuideLLM counts Poisson arrivals from its planned start: workers that start late send every due request
+    at once. Such a level is not the asked load and fails; a paced one passes, and a closed loop is not checked."""
+    def records(gaps: float) -> list[RequestRecord]:
+        return [RequestRecord(t_sent=i * gaps, t_first=i * gaps + 0.05, t_last=i * gaps + 0.1, token_times=[],
+                              prompt_tokens=4, output_tokens=4, output_tokens_client=4) for i in range(16)]
+
+    poisson = Level(mode="poisson", rate=2.0)
+    with pytest.raises(EngineError, match=r"sent 16 requests in 0\.037 s at a Poisson rate of 2/s"):
+        check_paced(records(0.0025), poisson, tmp_path)
+    check_paced(records(0.5), poisson, tmp_path)
+    check_paced(records(0.0025), Level(mode="concurrency", concurrency=4), tmp_path)
 
 
 def test_no_server_is_a_clear_error(guidellm_settings: Settings, demo_model: Path, tmp_path: Path) -> None:
