@@ -31,7 +31,7 @@ from pipeline.config import Settings
 from pipeline.errors import InvalidArtifactError, QuantyardError
 from pipeline.formats import format_info
 from pipeline.fs import incomplete_pid
-from pipeline.plan import EvalSpec, Plan
+from pipeline.plan import EvalSpec, GGUFOptions, Plan
 from pipeline.real_model import RealRecipe, cached_real_model
 from pipeline.specs import SourceKind, SourceRef, spec_digest, validate_model_name
 from pipeline.texts import calibration_text as pick_calibration_text
@@ -253,14 +253,33 @@ def ensure_reference(settings: Settings, resolved: Resolved, windows: Path, ws_m
     found = reg.find_source_artifact(resolved.source, "reference", key)
     if found is not None:
         return reg.artifact_path(found), found.meta, False
+    model_file, env, commit = (reference_gguf(settings, resolved, spec) if spec.reference_engine == "llama.cpp"
+                               else (None, None, None))
     with scratch_dir(settings) as tmp:
-        out, summary = run_reference(resolved.checkpoint.path, windows, Path(tmp) / "ref", spec, settings)
+        out, summary = run_reference(resolved.checkpoint.path, windows, Path(tmp) / "ref", spec, settings,
+                                     model_file=model_file, env=env, engine_commit=commit)
         assert out.arrays is not None
         art = reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
                                       source=resolved.source, kind="reference", key=key,
                                       name=f"reference-{key[:12]}.npz", path=out.arrays,
                                       meta={**summary, "window_set_id": ws_meta["id"]})
     return reg.artifact_path(art), art.meta, True
+
+
+def reference_gguf(settings: Settings, resolved: Resolved,
+                   spec: EvalSpec) -> tuple[Path, dict[str, str], str | None]:
+    """The unquantized GGUF the llama.cpp reference runs, the environment its runner needs and the llama.cpp
+    commit (named in the engine version): the GGUF
+    converter's cached base of this source (converted only when missing; the same file the GGUF variants
+    are quantized from when the types agree), F32/F16/BF16 as the spec's dtype says."""
+    from evaluators.reference import gguf_reference_type
+
+    conv = converter_class("gguf")(settings, GGUFOptions(base_type=gguf_reference_type(spec)))
+    ctx = BuildContext(checkpoint=resolved.checkpoint, source=resolved.source, model_name=resolved.model_name,
+                       settings=settings)
+    prepared = conv.prepare(ctx, [])
+    tools = conv.llama_cpp()
+    return Path(prepared.paths["base"]), {"LD_LIBRARY_PATH": tools.env()["LD_LIBRARY_PATH"]}, tools.commit
 
 
 def _tmp_root(settings: Settings) -> Path:

@@ -47,6 +47,11 @@ class SpeedSpec(Frozen):
     cpu_scaled: bool = True
 
 
+#: The llama.cpp reference's dtypes and the GGUF type each runs (auto: the GGUF base's own choice).
+REFERENCE_GGUF_TYPES: dict[str, str] = {"auto": "auto", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+TRANSFORMERS_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
 class EvalSpec(Frozen):
     enabled: bool = True
     text_file: str | None = None  # default: the demo's held-out text, or a file named by the recipe
@@ -60,6 +65,11 @@ class EvalSpec(Frozen):
     #: stores its whole distribution: 2 bytes per token of the vocabulary per scored position);
     #: ``topk_lower_bound``: the cheaper top-``top_k`` + tail bound, stored as kld_topk_lower_bound_* only.
     kld: Literal["exact", "topk_lower_bound"] = "exact"
+    #: Which engine runs the unquantized model (evaluators/reference.py): ``transformers`` on the checkpoint
+    #: (``reference_dtype`` float32 | bfloat16 | float16, ``reference_device`` cpu | cuda[:N]), or ``llama.cpp``
+    #: on the unquantized GGUF (``reference_dtype`` auto | float32 | float16 | bfloat16 = GGUF F32/F16/BF16;
+    #: auto: the GGUF base's type, F16, or BF16 for bf16 sources), as llama-perplexity --kl-divergence-base.
+    reference_engine: Literal["transformers", "llama.cpp"] = "transformers"
     reference_dtype: str = "float32"
     reference_device: str = "cpu"
     speed: SpeedSpec = SpeedSpec()
@@ -68,7 +78,25 @@ class EvalSpec(Frozen):
     @model_validator(mode="after")
     def _scored_positions(self) -> EvalSpec:
         check_score_from(self.window, self.score_from)
+        check_reference(self.reference_engine, self.reference_dtype, self.reference_device)
         return self
+
+
+def check_reference(engine: str, dtype: str, device: str) -> None:
+    """The reference engine must be one Quantyard has, with a dtype and device it can run (see EvalSpec)."""
+    if engine == "llama.cpp":
+        if dtype not in REFERENCE_GGUF_TYPES:
+            raise InvalidSpecError(f"the llama.cpp reference runs an unquantized GGUF, not {dtype!r}",
+                                   hint="reference dtype: " + " | ".join(REFERENCE_GGUF_TYPES))
+        if device != "cpu":
+            raise InvalidSpecError(f"the llama.cpp reference runs on this build's CPU, not {device}",
+                                   hint="use the transformers reference (--reference-engine transformers) on a GPU")
+    elif engine == "transformers":
+        if dtype not in TRANSFORMERS_DTYPES:
+            raise InvalidSpecError(f"the transformers reference dtype must be one of {', '.join(TRANSFORMERS_DTYPES)}, "
+                                   f"got {dtype!r}", hint="e.g. --reference-dtype float32")
+    else:
+        raise InvalidSpecError(f"unknown reference engine {engine!r}", hint="transformers | llama.cpp")
 
 
 def check_score_from(window: int, score_from: int) -> None:

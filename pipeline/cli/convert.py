@@ -99,6 +99,13 @@ class EvalFlags:
         help="exact: KL-divergence over the whole vocabulary, as llama-perplexity --kl-divergence (the reference "
              "stores its distribution: 2 bytes per vocabulary entry per scored position); topk_lower_bound: the "
              "cheaper top-K + tail bound, stored and shown as kld_topk_lower_bound only.")] = "exact"
+    reference_engine: Annotated[str, typer.Option(
+        help="Engine of the unquantized reference: transformers (the checkpoint, fp32 by default) or llama.cpp "
+             "(the unquantized GGUF, as llama-perplexity --kl-divergence-base; shares the GGUF base)."
+    )] = "transformers"
+    reference_dtype: Annotated[str | None, typer.Option(
+        help="Reference dtype: float32 | bfloat16 | float16 (transformers; default float32), or auto | float32 | "
+             "float16 | bfloat16 = GGUF F32/F16/BF16 (llama.cpp; default: the GGUF base's type).")] = None
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip evaluation.")] = False
     no_speed: Annotated[bool, typer.Option("--no-speed", help="Skip speed measurements.")] = False
     serving: Annotated[bool, typer.Option("--serving", help="Also serve every variant behind its engine's "
@@ -128,7 +135,8 @@ FLAG_ORDER = (
     "source", "gguf", "awq", "awq_backend", "awq_bits", "awq_group_size", "awq_symmetric", "awq_calibration",
     "awq_calibration_samples", "awq_calibration_seq_len", "exl2", "exl2_backend", "exl2_head_bits", "name",
     "revision", "registry", "force", "eval_text", "eval_dataset", "window", "stride", "score_from", "max_windows",
-    "top_k", "kld", "no_eval", "no_speed", "serving", "serving_users", "serving_requests",
+    "top_k", "kld", "reference_engine", "reference_dtype", "no_eval", "no_speed", "serving", "serving_users",
+    "serving_requests",
     "threads", "allow_pickle", "trust_remote_code", "imatrix", "calibration",
     "imatrix_chunks", "split_max_size", "gguf_base", "allow_tokenizer_mismatch", "recipe", "as_json",
 )
@@ -167,6 +175,7 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
         SourceInput,
         SpeedSpec,
         awq_options,
+        check_reference,
         check_score_from,
         parse_gguf_base,
         parse_split_size,
@@ -175,6 +184,8 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
 
     v, g, e = variants, gguf_build, evaluation
     check_score_from(e.window, e.score_from)
+    ref_dtype = reference_dtype(e.reference_engine, e.reference_dtype, g.gguf_base)
+    check_reference(e.reference_engine, ref_dtype, "cpu")
     awq_opts = awq_options(v.awq_bits, v.awq_group_size, v.awq_symmetric, v.awq_calibration,
                            v.awq_calibration_samples, v.awq_calibration_seq_len) if v.awq else None
     return Plan(
@@ -187,12 +198,27 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
         eval=EvalSpec(enabled=not e.no_eval, text_file=str(e.eval_text) if e.eval_text else None,
                       dataset=e.eval_dataset, window=e.window, stride=e.stride, score_from=e.score_from,
                       max_windows=e.max_windows, top_k=e.top_k, kld=e.kld,  # type: ignore[arg-type]  # validated
+                      reference_engine=e.reference_engine,  # type: ignore[arg-type]  # validated by EvalSpec
+                      reference_dtype=ref_dtype,
                       speed=SpeedSpec(enabled=not e.no_speed)),
         serving=ServingSpec(enabled=e.serving, users=parse_users(e.serving_users), requests=e.serving_requests),
         force=force, gguf=GGUFOptions(
             base_type=parse_gguf_base(g.gguf_base), split_max_size=parse_split_size(g.split_max_size),
             calibration=CalibrationSpec(file=str(g.calibration) if g.calibration else None, chunks=g.imatrix_chunks),
             allow_tokenizer_mismatch=g.allow_tokenizer_mismatch))
+
+
+def reference_dtype(engine: str, dtype: str | None, gguf_base: str) -> str:
+    """``--reference-dtype`` or its default for ``engine``: float32 for transformers; for llama.cpp the type
+    of the GGUF base (``--gguf-base``), so the reference is that very file and nothing is converted twice."""
+    if dtype is not None:
+        return dtype
+    if engine != "llama.cpp":
+        return "float32"
+    from pipeline.plan import REFERENCE_GGUF_TYPES, parse_gguf_base
+
+    base = parse_gguf_base(gguf_base)
+    return next((k for k, v in REFERENCE_GGUF_TYPES.items() if v == base), "auto")
 
 
 def convert_recipe(path: Path, source: str | None, cfg: Any, as_json: bool) -> None:
