@@ -10,14 +10,16 @@ like llama-perplexity (the second half of each 512-token chunk: Quantyard's ``--
   whole process. llama-perplexity's asynchronous log sometimes loses its last lines when captured
   (evaluators/llamacpp/crosscheck.py reruns it then): only the run that printed its statistics is counted;
   the time lost to such reruns is printed apart.
-* **Quantyard**: ``python -m pipeline.cli convert CKPT --gguf F16,Q8_0,Q4_K_M,Q2_K --gguf-base f16 --no-speed
-  --eval-text CKPT/eval.txt --window 512 --stride 512 --score-from 257 --max-windows N --json`` in a subprocess
+* **Quantyard**: ``python -m pipeline.cli convert CKPT --gguf Q8_0,Q4_K_M,Q2_K --gguf-base f16 --reference-engine
+  llama.cpp --no-speed --eval-text CKPT/eval.txt --window 512 --stride 512 --score-from 257 --max-windows N --json``
+  (``--reference transformers``: the fp32 transformers reference instead) in a subprocess
   with a fresh registry, cache dir and work dir (so the source is hashed, the F16 base converted and the
   reference computed afresh; only the toolchains, i.e. the llama.cpp build and the tool environments, are
   shared). Per-step times are the stage times its JSON report records (ConvertReport.stages, ``dispatch_s``);
   the source hashing runs before the stage graph and is timed by a progress listener the child process
-  installs before it calls the same CLI entry point. Quantyard also registers the F16 as a variant and
-  evaluates it (its KLD against the fp32 reference): those are rows of their own, counted in its total.
+  installs before it calls the same CLI entry point. As by hand, the F16 is the base (Quantyard's prepare
+  stage) and, with the llama.cpp reference, the reference model too; it is not registered as a variant (add
+  ``F16`` to ``--gguf`` for that: then it is built, registered and evaluated like the others, in rows of its own).
 
 Columns of the step table: ``step``; ``llama.cpp s``: seconds of that step by hand ("—": no such step);
 ``quantyard s``: seconds of the matching stages; ``what Quantyard's step holds``: what its time includes
@@ -28,11 +30,13 @@ minus its report's: interpreter start, imports, Prefect's embedded server, print
 column has no such rows: its whole command is the sum of its steps. The last row is each whole command, and
 the ratio Quantyard / llama.cpp.
 The variant table shows both ways' PPL (they score the same tokens: they should agree closely), KLD (llama.cpp's
-against its F16 GGUF, Quantyard's against transformers in fp32: they differ by the F16's own KLD) and top-1
-agreement. llama.cpp's reference PPL is what ``--kl-divergence`` prints as PPL(base): computed from the 16-bit
+against its F16 GGUF; Quantyard's against the same F16 GGUF on its llama.cpp runner, or with ``--reference
+transformers`` against the checkpoint in fp32, when they differ by the F16's own KLD) and top-1 agreement.
+llama.cpp's reference PPL is what ``--kl-divergence`` prints as PPL(base): computed from the 16-bit
 log-probs ``--kl-divergence-base`` stored, so it is off by their rounding.
 
-Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real] [--windows 64] [--threads N] [--out FILE]
+Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real] [--windows 64] [--threads N]
+[--reference llama.cpp|transformers] [--out FILE]
 (``--model`` may be given twice; without it both models run, demo first.)
 """
 
@@ -151,14 +155,15 @@ def fresh_env(cfg: Settings, tmp: Path) -> dict[str, str]:
     return env
 
 
-def quantyard(ckpt: Path, cfg: Settings, work: Path, windows: int, threads: int) -> Way:
+def quantyard(ckpt: Path, cfg: Settings, work: Path, windows: int, threads: int, reference: str) -> Way:
     """``quantyard convert`` in a subprocess on a fresh registry, cache and work dir.
     Raises RuntimeError when it fails or a stage did not run."""
     events = work / "events.jsonl"
     opts = {
         "--name": "bench",
-        "--gguf": ",".join(("F16", *QUANTS)),
+        "--gguf": ",".join(QUANTS),
         "--gguf-base": "f16",
+        "--reference-engine": reference,
         "--eval-text": str(ckpt / "eval.txt"),
         "--window": str(CTX),
         "--stride": str(CTX),
@@ -209,7 +214,11 @@ def _sum(steps: dict[str, float], *prefixes: str) -> float:
     return sum(v for k, v in steps.items() if k.startswith(prefixes))
 
 
-def step_rows(hand: Way, qy: Way) -> list[Row]:
+REFERENCE_HOLDS = {"llama.cpp": "window set + F16 GGUF log-probs on the llama.cpp runner, stored",
+                   "transformers": "window set + transformers fp32 log-probs, stored"}
+
+
+def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
     """(step, llama.cpp s, quantyard s, what Quantyard's step holds), in the order of the job."""
     h, q = hand.steps, qy.steps
     rows: list[Row] = [
@@ -225,15 +234,20 @@ def step_rows(hand: Way, qy: Way) -> list[Row]:
     rows += [(f"  quantize {t}", h[f"quantize:{t}"], q[f"build:{t}"], built) for t in QUANTS]
     rows += [
         ("3 quantizations", _sum(h, "quantize:"), sum(q[f"build:{t}"] for t in QUANTS), "(build stages)"),
-        ("F16 variant (copy of the base, checks)", None, q["build:F16"], "Quantyard only"),
-        ("register 4 variants (blob store + DB)", None, _sum(q, "register:"), "Quantyard only"),
-        ("reference", h["reference"], q["reference"], "window set + transformers fp32 log-probs, stored"),
+    ]
+    if "build:F16" in q:
+        rows.append(("F16 variant (copy of the base, checks)", None, q["build:F16"], "Quantyard only"))
+    n_registered = sum(1 for k in q if k.startswith("register:"))
+    rows += [
+        (f"register {n_registered} variants (blob store + DB)", None, _sum(q, "register:"), "Quantyard only"),
+        ("reference", h["reference"], q["reference"], REFERENCE_HOLDS[reference]),
     ]
     rows += [(f"  evaluate {t}", h[f"evaluate:{t}"], _sum(q, f"evaluate:{t}:"), "runner, exact KLD") for t in QUANTS]
     rows += [
         ("3 evaluations", _sum(h, "evaluate:"), sum(_sum(q, f"evaluate:{t}:") for t in QUANTS), "(evaluate stages)"),
-        ("F16 evaluation (its KLD vs fp32)", None, _sum(q, "evaluate:F16:"), "Quantyard only"),
     ]
+    if any(k.startswith("evaluate:F16:") for k in q):
+        rows.append(("F16 evaluation (its KLD vs the reference)", None, _sum(q, "evaluate:F16:"), "Quantyard only"))
     shown = ("hash", "resolve", "prepare:", "build:", "register:", "reference", "evaluate:")
     unshown = {k: v for k, v in q.items() if not k.startswith(shown)}
     if unshown:
@@ -250,7 +264,7 @@ def fmt_num(v: float | None, spec: str) -> str:
     return "—" if v is None else format(v, spec)
 
 
-def tables(model: str, windows: int, hand: Way, qy: Way) -> str:
+def tables(model: str, windows: int, hand: Way, qy: Way, reference: str) -> str:
     """The step table and the variant table of one model, in Markdown."""
     out = [
         f"### {model}: {windows} windows × {CTX} tokens, positions {SCORE_FROM}..{CTX - 1} scored",
@@ -258,7 +272,8 @@ def tables(model: str, windows: int, hand: Way, qy: Way) -> str:
         "| step | llama.cpp s | quantyard s | what Quantyard's step holds |",
         "|---|---:|---:|---|",
     ]
-    out += [f"| {s} | {fmt_num(h, '.1f')} | {fmt_num(q, '.1f')} | {what} |" for s, h, q, what in step_rows(hand, qy)]
+    rows = step_rows(hand, qy, reference)
+    out += [f"| {s} | {fmt_num(h, '.1f')} | {fmt_num(q, '.1f')} | {what} |" for s, h, q, what in rows]
     ratio = qy.total_s / hand.total_s
     out += [
         f"| **whole command** | **{hand.total_s:.1f}** | **{qy.total_s:.1f} = {ratio:.2f}×** | |",
@@ -269,8 +284,9 @@ def tables(model: str, windows: int, hand: Way, qy: Way) -> str:
     ]
     ref_hand = next(iter(hand.variants.values()))["ref_ppl"]
     ref_qy = next(iter(qy.variants.values()))["ref_ppl"]
+    theirs = "F16 GGUF on its llama.cpp runner" if reference == "llama.cpp" else "transformers fp32"
     out.append(
-        f"| reference (llama.cpp: F16 GGUF, from its stored 16-bit log-probs; quantyard: fp32) "
+        f"| reference (llama.cpp: F16 GGUF, from its stored 16-bit log-probs; quantyard: {theirs}) "
         f"| {fmt_num(ref_hand, '.4f')} | {fmt_num(ref_qy, '.4f')} | | | | |"
     )
     for name, q in qy.variants.items():
@@ -305,7 +321,7 @@ def header(argv: list[str], load: tuple[float, float, float], threads: int) -> s
     )
 
 
-def run_model(name: str, cfg: Settings, windows: int, threads: int) -> str:
+def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: str) -> str:
     """Both ways on one checkpoint, in a temporary folder; the tables."""
     ckpt = checkpoint(name, cfg)
     tools = llama_cpp_toolchain(cfg)
@@ -317,8 +333,8 @@ def run_model(name: str, cfg: Settings, windows: int, threads: int) -> str:
         print(f"[{name}] llama.cpp by hand ...", file=sys.stderr, flush=True)
         hand = by_hand(ckpt, tools, cfg.core_python, root / "llama", windows, threads)
         print(f"[{name}] quantyard convert ...", file=sys.stderr, flush=True)
-        qy = quantyard(ckpt, cfg, root / "quantyard", windows, threads)
-    return tables(f"{name} ({ckpt})", windows, hand, qy)
+        qy = quantyard(ckpt, cfg, root / "quantyard", windows, threads, reference)
+    return tables(f"{name} ({ckpt}), Quantyard's reference: {reference}", windows, hand, qy, reference)
 
 
 def main() -> None:
@@ -326,6 +342,8 @@ def main() -> None:
     ap.add_argument("--model", action="append", choices=("demo", "real"), help="repeatable; default: both")
     ap.add_argument("--windows", type=int, default=64, help="512-token windows of eval.txt (default 64)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--reference", choices=("llama.cpp", "transformers"), default="llama.cpp",
+                    help="Quantyard's reference engine (default llama.cpp: the F16 GGUF, as by hand)")
     ap.add_argument("--out", type=Path, default=None, help="also write the tables, with a header, here")
     args = ap.parse_args()
     load = os.getloadavg()
@@ -333,7 +351,7 @@ def main() -> None:
     parts = [header(sys.argv, load, args.threads)]
     print(parts[0] + "\n", flush=True)
     for name in args.model or ["demo", "real"]:
-        parts.append(run_model(name, cfg, args.windows, args.threads))
+        parts.append(run_model(name, cfg, args.windows, args.threads, args.reference))
         print(parts[-1] + "\n", flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

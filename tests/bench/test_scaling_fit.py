@@ -1,0 +1,138 @@
+"""bench/scaling.py's cost model: the least-squares line, its labelled extrapolations and the job estimate.
+Pure functions on synthetic points: nothing is measured here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "scaling.py"
+
+
+@pytest.fixture(scope="module")
+def sc() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_scaling", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_known_points_recover_known_coefficients(sc: ModuleType) -> None:
+    xs = [5e6, 1.35e8, 7.7e8]
+    fit = sc.fit_line(xs, [3.0 + 2e-8 * x for x in xs], "time of build", "P")
+    assert fit.a == pytest.approx(3.0, rel=1e-9)
+    assert fit.b == pytest.approx(2e-8, rel=1e-9)
+    assert max(abs(r) for r in fit.residuals()) < 1e-9
+
+
+def test_noisy_points_give_the_least_squares_line_and_its_residuals(sc: ModuleType) -> None:
+    fit = sc.fit_line([0.0, 1.0, 2.0], [0.0, 2.0, 1.0], "y")  # normal equations: a = 0.5, b = 0.5
+    assert (fit.a, fit.b) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert fit.residuals() == pytest.approx((-0.5, 1.0, -0.5))
+
+
+def test_huge_x_values_stay_well_conditioned(sc: ModuleType) -> None:
+    xs = [4.3e10, 1.1e12, 6.3e12]  # P·T at the three sizes
+    fit = sc.fit_line(xs, [12.0 + 3.2e-11 * x for x in xs], "time of reference", "P·T")
+    assert fit.a == pytest.approx(12.0, rel=1e-6)
+    assert fit.b == pytest.approx(3.2e-11, rel=1e-9)
+
+
+@pytest.mark.parametrize("xs", [[1e8], [1e8, 1e8, 1e8], []])
+def test_an_underdetermined_fit_raises_a_clear_error(sc: ModuleType, xs: list[float]) -> None:
+    with pytest.raises(sc.UnderdeterminedFitError, match="at least 2 distinct x values") as info:
+        sc.fit_line(xs, [1.0] * len(xs), "time of hash")
+    assert isinstance(info.value, ValueError)
+    assert "time of hash" in str(info.value)
+
+
+def test_mismatched_lengths_raise(sc: ModuleType) -> None:
+    with pytest.raises(ValueError, match="as many y values"):
+        sc.fit_line([1.0, 2.0], [1.0], "y")
+
+
+def test_extrapolations_are_labelled(sc: ModuleType) -> None:
+    fit = sc.fit_line([1e7, 1e8, 1e9], [1.0, 10.0, 100.0], "time of convert")
+    far = sc.extrapolate(fit, 8e9, "8B", "s", count=6)
+    assert far.label == "EXTRAPOLATED"
+    assert far.value == pytest.approx(6 * 800.0)
+    assert "EXTRAPOLATED" in str(far)
+    assert sc.extrapolate(fit, 5e8, "mid", "s").label == "INTERPOLATED"
+
+
+def _fits(sc: ModuleType) -> dict:
+    xs = [5e6, 1.35e8, 7.7e8]
+    line = sc.fit_line(xs, [1.0 + 1e-8 * x for x in xs], "time", "P")
+    tok = sc.fit_line([x * 8192 for x in xs], [2.0 + 1e-10 * x * 8192 for x in xs], "time", "P·T")
+    mem = sc.fit_line(xs, [1e9 + 4.0 * x for x in xs], "memory", "P")  # 1 GB + 4 B/param
+    return {g: (tok if g in sc.TOKEN_STAGES else line, mem) for g, _, _ in sc.JOB_STAGES}
+
+
+def test_job_estimate_counts_types_labels_everything_and_checks_memory(sc: ModuleType) -> None:
+    job, gpu = sc.Job(), sc.GpuModel()
+    target = sc.Target("8B", 8e9, 128256)
+    rows = sc.job_estimate(_fits(sc), target, job, 24 * sc.GIB, gpu)
+    assert [r.count for r in rows] == [1, 1, 1, 6, 6, 1, 6, 1]
+    assert all(r.time.label == r.peak.label == "EXTRAPOLATED" for r in rows)
+    evaluate = rows[6]
+    assert evaluate.time.value == pytest.approx(6 * (2.0 + 1e-10 * 8e9 * 32768))
+    assert evaluate.peak.value == pytest.approx((1e9 + 32e9) / sc.GIB)  # GiB
+    assert not evaluate.fits_ram  # 30.7 GiB > 24 GiB
+    assert rows[0].gpu_s is None and evaluate.gpu_s is not None
+
+
+def test_job_estimate_names_a_missing_group(sc: ModuleType) -> None:
+    fits = _fits(sc)
+    del fits["reference"]
+    with pytest.raises(KeyError, match="reference"):
+        sc.job_estimate(fits, sc.Target("8B", 8e9, 128256), sc.Job(), 24 * sc.GIB, sc.GpuModel())
+
+
+def test_gpu_estimate_is_compute_bound_at_512_token_windows(sc: ModuleType) -> None:
+    gpu = sc.GpuModel()
+    secs = sc.gpu_estimate_s(gpu, "reference", 8e9, 32768)
+    compute = 2 * 8e9 * 32768 / (gpu.peak_flops * gpu.flops_fraction)
+    assert secs == pytest.approx(8e9 * 2 / gpu.load_bps + compute)
+    assert sc.gpu_estimate_s(gpu, "build", 8e9, 0) is None
+
+
+def test_fit_groups_pools_the_types_and_reports_what_it_cannot_fit(sc: ModuleType) -> None:
+    def run(size: str, params: int, k: float) -> object:
+        stages = {"hash": sc.StageRun(k, 1e9 * k, 0), "build:Q8_0": sc.StageRun(2 * k, 2e9, 0),
+                  "build:Q2_K": sc.StageRun(4 * k, 3e9, 0), "reference": sc.StageRun(5 * k, 4e9, 8192)}
+        return sc.SizeRun(size, f"/{size}", params, 16, stages, 20 * k, 4e9)
+
+    runs = [run("demo", 5_000_000, 1.0), run("real", 135_000_000, 3.0)]
+    fits, missing = sc.fit_groups(runs)
+    assert fits["build"][0].ys == (3.0, 9.0)  # the mean over the types
+    assert fits["build"][1].ys == (3e9, 3e9)  # the largest peak
+    assert fits["reference"][0].x_name == "P·T"
+    assert not missing
+    _, missing = sc.fit_groups(runs[:1])
+    assert "at least 2 distinct" in missing["hash"]
+    text = "\n".join(sc.report(runs[:1], 24 * sc.GIB, sc.GpuModel(), sc.Job()))
+    assert "No extrapolation" in text and "EXTRAPOLATED" not in text
+
+
+def test_every_number_of_a_target_is_labelled(sc: ModuleType) -> None:
+    def run(size: str, params: int) -> object:
+        stages = {g if g not in sc.PER_TYPE else f"{g}:Q8_0": sc.StageRun(1 + params * 1e-8, 1e9 + 4 * params,
+                                                                          8192 if g in sc.TOKEN_STAGES else 0)
+                  for g, _, _ in sc.JOB_STAGES}
+        return sc.SizeRun(size, f"/{size}", params, 16, stages, 60.0, 3e9)
+
+    runs = [run("demo", 5_000_000), run("real", 135_000_000), run("big", 770_000_000)]
+    parts = sc.report(runs, 24 * sc.GIB, sc.GpuModel(), sc.Job())
+    targets = [p for p in parts if p.startswith("### 8B") or p.startswith("### 70B")]
+    assert len(targets) == 2
+    for part in targets:
+        rows = [line for line in part.splitlines() if line.startswith("| ") and not line.startswith("| stage")]
+        assert rows and all("EXTRAPOLATED" in line for line in rows)
+        assert "32,768 tokens" in part
+    assert "ESTIMATE" in parts[-3] and "Assumption" in parts[-3]
