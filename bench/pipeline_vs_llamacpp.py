@@ -230,7 +230,7 @@ def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
         ),
         ("F16 conversion", h["convert"], _sum(q, "prepare:"), "convert_hf_to_gguf.py + reading the file back"),
     ]
-    built = "llama_model_quantize worker + GGUF check + tokenizer parity"
+    built = "llama-quantize (thin worker) + header check + tokenizer parity (once per tokenizer digest)"
     rows += [(f"  quantize {t}", h[f"quantize:{t}"], q[f"build:{t}"], built) for t in QUANTS]
     rows += [
         ("3 quantizations", _sum(h, "quantize:"), sum(q[f"build:{t}"] for t in QUANTS), "(build stages)"),

@@ -3,13 +3,15 @@
 * The base (F16, or BF16 for bf16 sources) is written by ``convert_hf_to_gguf.py``
   from the pinned llama-cpp-python sdist, run as a subprocess with that sdist's
   ``gguf-py`` first on ``PYTHONPATH`` (PyPI ``gguf`` is too old for the script).
-* Each type is produced from the base by ``llama_model_quantize`` in a worker
-  subprocess (``converters.gguf.workers.quantize``): byte-identical to ``llama-quantize``,
-  and a crash there cannot take the flow down.
+* Each type is produced from the base by ``llama-quantize`` under a small worker subprocess
+  (``converters.gguf.workers.quantize``): byte-identical to ``llama_model_quantize``, and a crash
+  there cannot take the flow down.
 * imatrix quants (``i1-*``) use an importance matrix computed once per source and calibration
   text by ``llama-imatrix`` on the base (``converters.gguf.imatrix``) and ``llama-quantize --imatrix``.
-* Every output is checked with ``gguf.GGUFReader`` (architecture, file type, tensor count) and for
-  tokenizer parity with the HF tokenizer (``converters.gguf.tokenizer``), then optionally split
+* Every output's header is read (``converters.gguf.header``: architecture, file type, tensor count, in
+  milliseconds where gguf-py's reader takes seconds) and checked against the base, and its tokenizer is
+  checked for parity with the HF tokenizer (``converters.gguf.tokenizer``) once per distinct tokenizer
+  metadata: the types of one base carry the base's, proven equal by digest. Then it is optionally split
   into parts by ``llama-gguf-split`` (``converters.gguf.split``).
 
 The base is cached under ``WORK/gguf-base/<source>/<toolchain>/`` so that adding a
@@ -29,10 +31,11 @@ from typing import Any, ClassVar
 
 from converters.base import BuildContext, BuiltVariant, Prepared
 from converters.checkpoint import Checkpoint
+from converters.gguf.header import GGUFHeader, read_header
 from converters.gguf.imatrix import ImatrixRequest, ensure_imatrix
 from converters.gguf.sanity import gguf_sanity, gguf_structure
-from converters.gguf.split import inspect_parts, split_gguf
-from converters.gguf.tokenizer import check_parity
+from converters.gguf.split import inspect_headers, inspect_parts, split_gguf
+from converters.gguf.tokenizer import check_parity, parity_key, record_parity, recorded_parity
 from pipeline.config import Settings
 from pipeline.errors import (
     ConfigError,
@@ -52,6 +55,7 @@ from pipeline.texts import file_text, text_sha256
 
 WORKER = "converters.gguf.workers.quantize"
 IMATRIX_KIND = "imatrix"
+PARITY_DIR = "gguf-parity"  # under the work dir: recorded tokenizer agreements, by parity key
 
 
 def choose_base_type(ckpt: Checkpoint, requested: str = "auto") -> str:
@@ -85,12 +89,10 @@ class GGUFConverter:
     def describe(path: Path) -> tuple[str, dict[str, Any]]:
         """The variant name and spec of a plain GGUF file (or folder of parts), from its file type; a file
         too damaged to say is named ``unknown`` (the format check then reports what is wrong)."""
-        from gguf import GGUFReader
-
         first = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
         try:
-            field = GGUFReader(str(first)).get_field("general.file_type")
-            name = GGUFType(int(field.contents())).name if field is not None else None
+            ftype = read_header(first).get("general.file_type")
+            name = GGUFType(int(ftype)).name if ftype is not None else None
         except Exception:
             name = None
         return (name, {"type": name}) if name else ("unknown", {})
@@ -300,20 +302,17 @@ class GGUFConverter:
         if spec.imatrix and "imatrix" not in prepared.paths:
             raise ConfigError(f"{spec.name} is an imatrix quant but no importance matrix was prepared",
                               hint="prepare the format with the imatrix variants in its spec list")
-        # gguf-py parses a 49k-entry vocabulary in about 4 s: the base was read once when it was made, the
-        # output is read once (twice only when split, its parts then being other files)
         base_info = prepared.meta.get("base_info") or inspect_gguf(base)
         if spec.type == base_type and not spec.imatrix:
             shutil.copyfile(base, out)  # the base is this variant; the blob store dedups identical bytes
         else:
             self._quantize(ctx, base, out, spec, prepared)
             events.append("quantize")
-        info = inspect_gguf(out)
+        header = read_header(out)
+        info = inspect_headers([header])
         _check_output(out, info, spec, base_info)
         tools = self.llama_cpp()
-        parity = check_parity(out, ctx.checkpoint.path, python=self.python, env=tools.env(), log_dir=out_dir,
-                              timeout_s=ctx.settings.convert_timeout_s, allow=self.options.allow_tokenizer_mismatch,
-                              texts=self._parity_texts(ctx, spec), keep=failure_log_dir(ctx.settings.logs_root))
+        parity = self._parity(ctx, spec, header, out_dir)
         parts = [out]
         if self.options.split_max_size:
             parts = split_gguf(out, self.options.split_max_size, toolchain=tools,
@@ -329,6 +328,27 @@ class GGUFConverter:
             "tokenizer_parity": parity}
         return BuiltVariant(variant=spec.name, files={p.name: p for p in parts}, tool=self.tool_identity(),
                             parameters=params, events=events, info=info)
+
+    def _parity(self, ctx: BuildContext, spec: GGUFSpec, header: GGUFHeader, log_dir: Path) -> dict[str, Any]:
+        """Tokenizer parity of the GGUF ``header`` was read from: recorded when a GGUF with the same tokenizer
+        metadata digest was checked against the same HF tokenizer files, texts and tools (every type of one
+        base), else checked by llama.cpp now and recorded if it agrees. The lineage record says which.
+        Raises TokenizerMismatchError, ConversionError (see :func:`check_parity`)."""
+        texts = self._parity_texts(ctx, spec)
+        allow = self.options.allow_tokenizer_mismatch
+        digest = header.tokenizer_sha256
+        key = parity_key(digest, ctx.checkpoint.path, texts, allow=allow,
+                         engine={**self.tool_identity(), "architecture": header.get("general.architecture")})
+        folder = ctx.settings.work_root / PARITY_DIR
+        known = recorded_parity(folder, key)
+        if known is not None:
+            return {**known["record"], "tokenizer_sha256": digest,
+                    "checked": f"identical tokenizer metadata, checked on {known['checked_on']}"}
+        record = check_parity(header.path, ctx.checkpoint.path, python=self.python, env=self.llama_cpp().env(),
+                              log_dir=log_dir, timeout_s=ctx.settings.convert_timeout_s, allow=allow, texts=texts,
+                              keep=failure_log_dir(ctx.settings.logs_root))
+        record_parity(folder, key, record, checked_on=header.path.name)
+        return {**record, "tokenizer_sha256": digest, "checked": "this file"}
 
     def _parity_texts(self, ctx: BuildContext, spec: GGUFSpec) -> dict[str, str]:
         """The run's texts, plus the imatrix calibration file this variant was calibrated on."""
@@ -376,7 +396,8 @@ def _conversion_error(stderr: str, how: str, log: Path | None, ckpt: Checkpoint)
 
 
 def inspect_gguf(path: Path) -> dict[str, Any]:
-    """Architecture, file type, tensor count and parameter count of a GGUF file (via gguf-py)."""
+    """Architecture, file type, tensor count and parameter count of a GGUF file (from its header). Raises
+    InvalidArtifactError for a truncated or corrupt file."""
     return inspect_parts([path])
 
 

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from converters.gguf.header import GGUFHeader, read_header
 from pipeline.errors import ConversionError
 from pipeline.llama_cpp import LlamaCppToolchain
 from pipeline.proc import run_logged
@@ -64,25 +65,24 @@ def inspect_parts(paths: list[Path]) -> dict[str, Any]:
     """Architecture, file type, tensor/parameter counts, size and bits per weight of a (split) GGUF.
 
     For split files the metadata is read from part 1 and the counts are summed over all parts, which
-    must agree with the ``split.count`` and ``split.tensors.count`` part 1 declares.
+    must agree with the ``split.count`` and ``split.tensors.count`` part 1 declares. Only the headers are
+    read (converters/gguf/header.py). Raises InvalidArtifactError for a truncated or corrupt part,
+    ConversionError for parts that do not belong together.
     """
-    from gguf import GGUFReader
+    return inspect_headers([read_header(p) for p in sorted(paths)])
 
-    paths = sorted(paths)
-    readers = [GGUFReader(str(p)) for p in paths]
 
-    def field(name: str) -> Any:
-        f = readers[0].get_field(name)
-        return None if f is None else f.contents()
-
-    tensors = sum(len(r.tensors) for r in readers)
-    n_elements = sum(int(t.n_elements) for r in readers for t in r.tensors)
-    size = sum(p.stat().st_size for p in paths)
-    declared_parts, declared_tensors = field("split.count"), field("split.tensors.count")
-    if len(paths) > 1 and (declared_parts != len(paths) or declared_tensors != tensors):
-        raise ConversionError(f"split GGUF {paths[0].name} declares {declared_parts} parts and {declared_tensors} "
-                              f"tensors, found {len(paths)} parts with {tensors} tensors",
+def inspect_headers(headers: list[GGUFHeader]) -> dict[str, Any]:
+    """:func:`inspect_parts` of headers already read, in part order."""
+    first = headers[0]
+    tensors = sum(len(h.tensors) for h in headers)
+    n_elements = sum(h.n_elements for h in headers)
+    size = sum(h.size for h in headers)
+    declared_parts, declared_tensors = first.get("split.count"), first.get("split.tensors.count")
+    if len(headers) > 1 and (declared_parts != len(headers) or declared_tensors != tensors):
+        raise ConversionError(f"split GGUF {first.path.name} declares {declared_parts} parts and {declared_tensors} "
+                              f"tensors, found {len(headers)} parts with {tensors} tensors",
                               hint="some parts are missing or belong to another file")
-    return {"architecture": field("general.architecture"), "file_type": field("general.file_type"),
-            "tensor_count": tensors, "n_elements": n_elements, "size": size, "parts": len(paths),
+    return {"architecture": first.get("general.architecture"), "file_type": first.get("general.file_type"),
+            "tensor_count": tensors, "n_elements": n_elements, "size": size, "parts": len(headers),
             "bpw": round(size * 8 / n_elements, 4) if n_elements else None}

@@ -8,6 +8,12 @@ with llama.cpp — in one worker subprocess, as the orchestrating process never 
 the ids are compared with ``AutoTokenizer``'s. A probe alone misses real cases: SmolLM2 with a bare
 ByteLevel pre-tokenizer agrees with llama.cpp's ``smollm`` on every probe line and first differs at
 ``"\n\n200"``, 160 tokens into an English Wikipedia text. llama.cpp tokenizes a megabyte in about a second.
+
+Every type made from one base carries the base's tokenizer metadata byte for byte, so a result is recorded
+under a key (:func:`parity_key`) of everything it depends on: the digest of the GGUF's ``tokenizer.*``
+metadata (converters/gguf/header.py), the checkpoint's tokenizer files, the texts, the tool versions on both
+sides. A later GGUF with the same key reuses it (:func:`recorded_parity`) instead of starting llama.cpp
+again; only agreement is recorded, so a mismatch is found again on every file.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConversionError, TokenizerMismatchError
+from pipeline.fs import write_atomic
 from pipeline.proc import run_logged
 
 WORKER = "converters.gguf.workers.tokenize"
@@ -45,6 +52,10 @@ PROBE_TEXT = (
 
 
 PROBE = "probe"
+
+#: Files of a checkpoint the HF tokenizer is built from (config.json too: it can name the tokenizer class).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "special_tokens_map.json", "added_tokens.json", "config.json")
 
 
 @dataclass(frozen=True)
@@ -188,3 +199,55 @@ def check_parity(gguf: Path, checkpoint: Path, *, python: str, env: dict[str, st
         record.update({"first_difference": bad.position, "in": bad.label, "allowed_by_override": allow,
                        "hf": bad.hf, "gguf": bad.gguf})
     return record
+
+
+# -- recorded results ---------------------------------------------------------------------------------
+
+
+def checkpoint_tokenizer_sha256(checkpoint: Path) -> str:
+    """sha256 over the names and bytes of the checkpoint's tokenizer files (those of TOKENIZER_FILES it has)."""
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = checkpoint / name
+        if path.is_file():
+            digest.update(json.dumps([name, path.stat().st_size]).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def parity_key(tokenizer_sha256: str, checkpoint: Path, texts: Mapping[str, str], *, allow: bool,
+               engine: Mapping[str, Any]) -> str:
+    """Key of a parity result: the GGUF's tokenizer metadata digest, the HF tokenizer files, the probe, each
+    text (label and sha256), the override flag, what else the GGUF side depends on (``engine``: llama.cpp's
+    identity, the GGUF's architecture) and the versions of transformers and tokenizers (the HF side)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    parts = {"tokenizer_sha256": tokenizer_sha256, "checkpoint_tokenizer": checkpoint_tokenizer_sha256(checkpoint),
+             "probe": probe_sha256(), "texts": sorted((label, probe_sha256(t)) for label, t in texts.items()),
+             "allow": allow, "engine": dict(engine), "hf": [installed("transformers"), installed("tokenizers")]}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def recorded_parity(folder: Path, key: str) -> dict[str, Any] | None:
+    """The agreement recorded under ``key`` in ``folder`` (``record``, ``checked_on``), None when there is none
+    (or it is unreadable, or not an agreement)."""
+    try:
+        entry = json.loads((folder / f"{key}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(entry, dict) and entry.get("key") == key and isinstance(entry.get("record"), dict)
+    return entry if ok and entry["record"].get("ok") is True else None
+
+
+def record_parity(folder: Path, key: str, record: Mapping[str, Any], checked_on: str) -> None:
+    """Record an agreement (``record["ok"]``) under ``key``; a mismatch is never recorded."""
+    if record.get("ok") is not True:
+        return
+    entry = {"key": key, "checked_on": checked_on, "record": dict(record)}
+    write_atomic(folder / f"{key}.json", json.dumps(entry, sort_keys=True))

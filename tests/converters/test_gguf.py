@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,17 +40,31 @@ def test_base_once_then_types_from_it(tmp_path: Path, demo_model: Path, settings
         assert built.info["tensor_count"] == inspect_gguf(Path(first.paths["base"]))["tensor_count"]
 
 
-def test_python_quantize_is_byte_identical_to_llama_quantize(tmp_path: Path, demo_model: Path,
-                                                             settings: Settings) -> None:
+#: llama.cpp's library call, as the quantize worker made it before it ran the llama-quantize binary
+LIBRARY_QUANTIZE = """
+import ctypes, sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.nthread = int(sys.argv[3]), 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
+
+
+def test_quantize_is_byte_identical_to_llama_model_quantize_and_llama_quantize(tmp_path: Path, demo_model: Path,
+                                                                               settings: Settings) -> None:
     conv = GGUFConverter(settings)
     ctx = _ctx(demo_model, settings)
     prepared = conv.prepare(ctx, [])
-    ours = next(iter(conv.build(ctx, prepared, GGUFSpec(type="Q4_K_M"), tmp_path / "ours").files.values()))
-    ref = tmp_path / "ref.gguf"
     tools = llama_cpp_toolchain(settings)
-    subprocess.run([str(tools.exe("llama-quantize")), prepared.paths["base"], str(ref), "Q4_K_M", "2"],
-                   check=True, env=tools.env(), capture_output=True)
-    assert hashlib.sha256(ours.read_bytes()).digest() == hashlib.sha256(ref.read_bytes()).digest()
+    for t in ("Q8_0", "Q4_K_M", "Q2_K"):
+        spec = GGUFSpec(type=t)
+        ours = next(iter(conv.build(ctx, prepared, spec, tmp_path / t).files.values()))
+        library, binary = tmp_path / f"library-{t}.gguf", tmp_path / f"binary-{t}.gguf"
+        subprocess.run([sys.executable, "-c", LIBRARY_QUANTIZE, prepared.paths["base"], str(library),
+                        str(spec.file_type)], check=True, env=tools.env(), capture_output=True)
+        subprocess.run([str(tools.exe("llama-quantize")), prepared.paths["base"], str(binary), t, "2"],
+                       check=True, env=tools.env(), capture_output=True)
+        digests = {hashlib.sha256(p.read_bytes()).hexdigest() for p in (ours, library, binary)}
+        assert len(digests) == 1, t
 
 
 def test_unsupported_architecture_fails_early_and_names_supported(tmp_path: Path, demo_model: Path,

@@ -2,19 +2,23 @@
 exactly like the checkpoint's HF tokenizer. The demo passes; a GGUF whose vocabulary was edited with gguf-py
 is caught with the first differing position, fails its variant, and is registered only with
 --allow-tokenizer-mismatch (recorded); a real checkpoint whose pre-tokenizer does not split digits, converted
-to a GGUF whose pre-tokenizer does, passes the probe and is caught on the text."""
+to a GGUF whose pre-tokenizer does, passes the probe and is caught on the text. The types made from one base
+carry its tokenizer metadata byte for byte (same digest), so the check runs once for them; a GGUF whose
+tokenizer metadata differs, or other texts, are checked again, and a mismatch is never reused."""
 
 from __future__ import annotations
 
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf.converter import GGUFConverter
+from converters.gguf.converter import PARITY_DIR, GGUFConverter
+from converters.gguf.header import read_header
 from converters.gguf.tokenizer import PROBE_TEXT, check_parity, hf_tokens
 from converters.source import resolve_source
 from flows.quantize import convert_flow
@@ -22,8 +26,9 @@ from flows.steps import real_checkpoint
 from pipeline.config import Settings
 from pipeline.errors import TokenizerMismatchError
 from pipeline.llama_cpp import llama_cpp_toolchain
-from pipeline.plan import EvalSpec, Plan, SourceInput, variants_from_flags
+from pipeline.plan import EvalSpec, GGUFOptions, Plan, SourceInput, variants_from_flags
 from pipeline.real_model import RealRecipe
+from pipeline.specs import GGUFSpec
 from registry import open_registry
 from tests.conftest import make_settings
 from tests.factories import gguf_swap_tokens
@@ -135,3 +140,65 @@ def test_checkpoint_without_digit_split_is_caught_on_the_text(cache_dir: Path, t
     probe_only = check_parity(gguf, broken, python=sys.executable, env=llama_cpp_toolchain(cfg).env(), log_dir=tmp_path,
                               timeout_s=120, allow=False)
     assert probe_only["ok"] is True  # what a probe-only check (the old one) let through
+
+
+def _demo_ctx(demo_model: Path, cfg: Settings) -> BuildContext:
+    texts = {"checkpoint:eval.txt": (demo_model / "eval.txt").read_text(encoding="utf-8")}
+    return BuildContext(checkpoint=load_checkpoint(demo_model), source=resolve_source(str(demo_model),
+                        cache_dir=cfg.cache_dir), model_name="demo", settings=cfg, texts=texts)
+
+
+def _tokenize_logs(folder: Path) -> list[Path]:
+    """The logs of llama.cpp tokenizer workers started for a build into ``folder``."""
+    return sorted(folder.glob("tokenize-*.err"))
+
+
+def test_types_of_one_base_check_the_tokenizer_once(demo_model: Path, settings: Settings, tmp_path: Path) -> None:
+    conv = GGUFConverter(settings)
+    ctx = _demo_ctx(demo_model, settings)
+    prepared = conv.prepare(ctx, [])
+    first = conv.build(ctx, prepared, GGUFSpec(type="Q8_0"), tmp_path / "Q8_0").parameters["tokenizer_parity"]
+    assert first["ok"] is True and first["checked"] == "this file" and _tokenize_logs(tmp_path / "Q8_0")
+    # a fresh converter (the record is a file under the work dir, as for another process)
+    again = GGUFConverter(settings).build(ctx, prepared, GGUFSpec(type="Q4_K_M"), tmp_path / "Q4_K_M")
+    second = again.parameters["tokenizer_parity"]
+    assert _tokenize_logs(tmp_path / "Q4_K_M") == []  # no llama.cpp tokenizer started
+    assert second["checked"] == "identical tokenizer metadata, checked on demo-Q8_0.gguf"
+    digest = read_header(Path(prepared.paths["base"])).tokenizer_sha256
+    assert second["tokenizer_sha256"] == first["tokenizer_sha256"] == digest
+    assert read_header(next(iter(again.files.values()))).tokenizer_sha256 == digest
+    assert {k: v for k, v in second.items() if k != "checked"} == {k: v for k, v in first.items() if k != "checked"}
+    # other texts are checked
+    other = replace(ctx, texts={"other": "Other text: 1234567 and 3.5e-10.\n\n2007 was a year."})
+    third = conv.build(other, prepared, GGUFSpec(type="Q2_K"), tmp_path / "Q2_K").parameters["tokenizer_parity"]
+    assert third["checked"] == "this file" and set(third["texts"]) == {"probe", "other"}
+    assert _tokenize_logs(tmp_path / "Q2_K")
+
+
+def test_other_tokenizer_metadata_is_checked_and_a_mismatch_never_reused(demo_model: Path, settings: Settings,
+                                                                         tmp_path: Path) -> None:
+    conv = GGUFConverter(settings)
+    ctx = _demo_ctx(demo_model, settings)
+    prepared = conv.prepare(ctx, [])
+    good = conv.build(ctx, prepared, GGUFSpec(type="Q8_0"), tmp_path / "Q8_0").parameters["tokenizer_parity"]
+    records = settings.work_root / PARITY_DIR
+    assert good["ok"] is True and len(list(records.glob("*.json"))) == 1
+    # the base now carries a vocabulary with two entries swapped: its types have another tokenizer digest
+    base = Path(prepared.paths["base"])
+    a, b, position = _swap_pair(demo_model)
+    crafted = base.with_name("crafted.tmp")
+    gguf_swap_tokens(base, crafted, a, b)
+    crafted.replace(base)
+    assert read_header(base).tokenizer_sha256 != good["tokenizer_sha256"]
+    with pytest.raises(TokenizerMismatchError) as info:
+        conv.build(ctx, prepared, GGUFSpec(type="Q4_K_M"), tmp_path / "Q4_K_M")
+    assert info.value.position == position and _tokenize_logs(tmp_path / "Q4_K_M")
+    assert len(list(records.glob("*.json"))) == 1  # nothing recorded for the mismatch
+    # allowed, each such type is still checked (and says so): a mismatch is not recorded as agreement
+    lenient = GGUFConverter(settings, GGUFOptions(allow_tokenizer_mismatch=True))
+    for t in ("Q4_K_M", "Q2_K"):
+        parity = lenient.build(ctx, prepared, GGUFSpec(type=t), tmp_path / f"allowed-{t}").parameters[
+            "tokenizer_parity"]
+        assert parity["ok"] is False and parity["allowed_by_override"] is True and parity["checked"] == "this file"
+        assert parity["first_difference"] == position and _tokenize_logs(tmp_path / f"allowed-{t}")
+    assert len(list(records.glob("*.json"))) == 1
