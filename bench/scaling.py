@@ -140,6 +140,9 @@ class Extrapolated:
 def extrapolate(fit: LinearFit, x: float, target: str, unit: str, count: int = 1) -> Extrapolated:
     """``count`` × the fit's value at ``x`` (``count``: e.g. six quantization types), labelled."""
     inside = min(fit.xs) <= x <= max(fit.xs)
+    if not inside and fit.b <= 0:  # no growth measured (noise around a constant): never a negative prediction
+        return Extrapolated(fit.quantity, target, x, count * max(fit.ys), unit,
+                            "EXTRAPOLATED flat: fitted slope ≤ 0, the largest measurement shown")
     return Extrapolated(fit.quantity, target, x, count * fit.predict(x), unit,
                         "INTERPOLATED" if inside else "EXTRAPOLATED")
 

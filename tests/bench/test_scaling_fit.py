@@ -136,3 +136,12 @@ def test_every_number_of_a_target_is_labelled(sc: ModuleType) -> None:
         assert rows and all("EXTRAPOLATED" in line for line in rows)
         assert "32,768 tokens" in part
     assert "ESTIMATE" in parts[-3] and "Assumption" in parts[-3]
+
+
+def test_a_flat_or_falling_fit_never_extrapolates_below_what_was_measured(sc: ModuleType) -> None:
+    fit = sc.fit_line([1e6, 1e8, 1e9], [0.031, 0.029, 0.030], "time of resolve")  # noise around a constant
+    assert fit.b <= 0
+    far = sc.extrapolate(fit, 7e10, "70B", "s")
+    assert far.value == pytest.approx(0.031) and far.label.startswith("EXTRAPOLATED flat")
+    assert "EXTRAPOLATED" in str(far)
+    assert sc.extrapolate(fit, 5e8, "mid", "s").label == "INTERPOLATED"  # inside the range: the line itself
