@@ -47,6 +47,8 @@ class Settings(BaseSettings):
     work_dir: Path | None = Field(default=None,
                                   description="Intermediate files (F16 bases, staging). Default: CACHE_DIR/work")
     threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    env_jobs: int = Field(default=2, ge=1, description="Tool environments `quantyard env ensure` builds at once "
+                                                     "(each is its own venv and pip process).")
     llama_cpp_tools: Path | None = Field(
         default=None, description="Folder holding llama.cpp's convert_hf_to_gguf.py and gguf-py "
                                   "(default: CACHE_DIR/llama.cpp/<version>, filled by make setup).")

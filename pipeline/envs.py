@@ -50,8 +50,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -68,6 +70,8 @@ INSTALL_LOG = "install.log"
 RECIPE_VERSION = 1  # bump when the install procedure itself changes
 #: Seconds between progress lines while one install step runs.
 PROGRESS_EVERY_S = 15.0
+#: Set to stop every install of :func:`ensure_each` (its caller was interrupted): each pip is killed.
+_CANCEL = threading.Event()
 
 #: Receives one line of progress at a time while an environment is built (the CLI prints them).
 Progress = Callable[[str], None]
@@ -284,6 +288,31 @@ def ensure(name: str, settings: Settings, progress: Progress | None = None) -> E
     return ensure_build(spec, spec.build_for(accel), settings, accel, progress)
 
 
+def ensure_each(tasks: dict[str, Callable[[], EnvInfo]], jobs: int) -> dict[str, EnvInfo]:
+    """Run the ``tasks`` (name → a call of :func:`ensure`), up to ``jobs`` at once: each environment is its
+    own venv, pip process, install log and lock, so building ``awq`` and ``vllm`` together takes about the
+    longer of the two instead of their sum. Every task runs to its end even when another fails; the first
+    failure (in ``tasks`` order) is raised after. An interrupt (Ctrl-C) kills every running pip, leaves the
+    unfinished environments unmarked (rebuilt next time) and is re-raised."""
+    if jobs <= 1 or len(tasks) <= 1:
+        return {name: task() for name, task in tasks.items()}
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="env") as pool:
+        futures = {name: pool.submit(task) for name, task in tasks.items()}
+        try:
+            for future in futures.values():
+                future.exception()  # waits; KeyboardInterrupt arrives here, in the main thread
+        except BaseException:
+            _CANCEL.set()
+            raise
+        finally:
+            pool.shutdown(wait=True)
+            _CANCEL.clear()
+    for future in futures.values():
+        if future.exception() is not None:
+            raise future.exception()  # type: ignore[misc]
+    return {name: future.result() for name, future in futures.items()}
+
+
 def ensure_build(spec: EnvSpec, build: EnvBuild, settings: Settings, accelerator: str = "cpu",
                  progress: Progress | None = None) -> EnvInfo:
     """Build ``spec`` with recipe ``build`` under ``settings.envs_root`` unless its marker exists."""
@@ -396,13 +425,21 @@ def _run(cmd: list[str], log: Path, what: str, progress: Progress | None = None)
         fh.write(f"\n$ {' '.join(cmd)}\n")
         fh.flush()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        said = t0
         while True:
             try:
-                rc = proc.wait(timeout=PROGRESS_EVERY_S)
+                rc = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                if progress:
-                    progress(f"  {what}: {time.perf_counter() - t0:.0f} s  {_last_line(log)}")
+                if _CANCEL.is_set():  # ensure_each's caller was interrupted: this runs in a worker thread
+                    proc.kill()
+                    proc.wait()
+                    raise EnvironmentBuildError(f"building a tool environment was interrupted at '{what}'",
+                                                hint="run the same command again: an unfinished environment "
+                                                     "is rebuilt") from None
+                if progress and time.perf_counter() - said >= PROGRESS_EVERY_S:
+                    said = time.perf_counter()
+                    progress(f"  {what}: {said - t0:.0f} s  {_last_line(log)}")
             except BaseException:
                 proc.kill()  # Ctrl-C: no pip left installing into an environment nobody will mark
                 proc.wait()
@@ -447,5 +484,6 @@ def _write_marker(path: Path, spec: EnvSpec, build: EnvBuild, accelerator: str) 
     return data
 
 
-__all__ = ["ENVS", "EnvBuild", "EnvInfo", "EnvSpec", "detect_accelerator", "ensure", "ensure_build", "python_for",
+__all__ = ["ENVS", "EnvBuild", "EnvInfo", "EnvSpec", "detect_accelerator", "ensure", "ensure_build", "ensure_each",
+           "python_for",
            "spec_for", "status"]

@@ -50,16 +50,24 @@ def env_ensure(names: Annotated[list[str], typer.Argument(help="Environment name
     cfg = settings()
     for name in names:
         envs.spec_for(name)  # an unknown name fails before anything is built
-    out = []
-    for name in names:
-        if not as_json:
-            err_console.print(f"env {name}: checking…")
-        info = envs.ensure(name, cfg, progress=None if as_json else _plain(err_console))
-        out.append({"name": name, "python": info.python, "key": info.key, "managed": info.managed,
-                    "created": info.created, "events": info.events, "packages": len(info.freeze)})
-        if not as_json:
-            what = "built" if info.created else "ready (nothing to do)"
-            err_console.print(f"[green]✓[/] env {name}: {what}  {info.python}")
+    names = list(dict.fromkeys(names))
+    plain = _plain(err_console)
+
+    def one(name: str) -> Callable[[], envs.EnvInfo]:
+        def run() -> envs.EnvInfo:
+            if not as_json:
+                err_console.print(f"env {name}: checking…")
+            info = envs.ensure(name, cfg, progress=None if as_json else lambda line: plain(f"[{name}] {line}"))
+            if not as_json:
+                what = "built" if info.created else "ready (nothing to do)"
+                err_console.print(f"[green]✓[/] env {name}: {what}  {info.python}")
+            return info
+        return run
+
+    built = envs.ensure_each({name: one(name) for name in names}, jobs=cfg.env_jobs)
+    out = [{"name": name, "python": info.python, "key": info.key, "managed": info.managed,
+            "created": info.created, "events": info.events, "packages": len(info.freeze)}
+           for name, info in built.items()]
     if as_json:
         print_json(out)
 

@@ -12,6 +12,7 @@ import json
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -160,3 +161,68 @@ def test_env_cli_list_and_bad_name() -> None:
     assert rows["awq"]["state"] == "ready" and rows["awq"]["size_bytes"] > 100e6
     bad = CliRunner().invoke(app, ["env", "ensure", "gptq"])
     assert bad.exit_code == 2 and "known: autoawq, awq, exl2, guidellm, vllm" in bad.output
+
+
+def test_environments_build_at_once_and_a_failure_does_not_stop_the_others(tmp_path: Path) -> None:
+    """``ensure_each`` (what ``quantyard env ensure A B`` runs, ``QUANTYARD_ENV_JOBS`` at once): two real tiny
+    environments built in two threads, then one failing beside a good one: the good one is built and
+    marked, the failure is raised after."""
+    wheels = tmp_path / "wheels"
+    _wheel(wheels, "1.0")
+    _wheel(wheels, "1.1")
+    cfg = Settings(cache_dir=tmp_path / "cache", envs_dir=tmp_path / "envs")
+
+    def task(version: str) -> tuple[envs.EnvSpec, envs.EnvBuild, Any]:
+        req = tmp_path / f"tiny-{version}.txt"
+        req.write_text(f"--no-index\n--find-links {wheels}\nqytiny=={version}\n")
+        spec, build = _spec(req)
+        return spec, build, lambda: envs.ensure_build(spec, build, cfg)
+
+    (_, _, a), (_, _, b) = task("1.0"), task("1.1")
+    built = envs.ensure_each({"a": a, "b": b}, jobs=2)
+    assert [built["a"].version_of("qytiny"), built["b"].version_of("qytiny")] == ["1.0", "1.1"]
+    assert built["a"].created and built["b"].created and built["a"].path != built["b"].path
+
+    bad_spec, bad_build, bad = task("2.0")  # no such version
+    (tmp_path / "tiny-1.0.txt").write_text(f"--no-index\n--find-links {wheels}\nqytiny==1.0\n# another key\n")
+    good_spec, good_build, good = task("1.0")
+    with pytest.raises(EnvironmentBuildError, match="exit"):
+        envs.ensure_each({"bad": bad, "good": good}, jobs=2)
+    assert envs.read_marker(envs.env_dir(bad_spec, bad_build, cfg)) is None
+    assert envs.read_marker(envs.env_dir(good_spec, good_build, cfg)) is not None
+
+
+def test_an_interrupted_parallel_build_kills_its_pip(tmp_path: Path) -> None:
+    """When ``ensure_each``'s caller is interrupted it sets the cancel event: each install step running in a
+    worker thread kills its process within a second and raises; nothing is left running."""
+    import os
+    import threading
+    import time
+
+    marker = tmp_path / "pid"
+    code = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            envs._run([sys.executable, "-c", code], tmp_path / "install.log", "a long install")
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not (marker.is_file() and marker.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(marker.read_text())
+    envs._CANCEL.set()
+    try:
+        t0 = time.monotonic()
+        worker.join(10)
+        assert not worker.is_alive() and time.monotonic() - t0 < 5
+    finally:
+        envs._CANCEL.clear()
+    assert len(errors) == 1 and isinstance(errors[0], EnvironmentBuildError)
+    assert "interrupted at 'a long install'" in str(errors[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
