@@ -305,8 +305,12 @@ def check_quality(target: Target, settings: Settings, opts: ValidateOptions, wor
 
 
 def _same_hardware(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in ("cpu", "cores", "threads", "gpu", "machine", "cpu_flags")
-            if a.get(k) != b.get(k)]
+    """How two speed records' machines differ; the engine build's kernels (``llama_cpp_build``: AMX compiled in
+    or not) count where both recorded them."""
+    keys = ["cpu", "cores", "threads", "gpu", "machine", "cpu_flags"]
+    if "llama_cpp_build" in a and "llama_cpp_build" in b:
+        keys.append("llama_cpp_build")
+    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
 def _speed_of(target: Target, settings: Settings, opts: ValidateOptions, work: Path) -> tuple[dict, dict, str]:

@@ -37,6 +37,16 @@ VERSION = "0.3.36"
 CMAKE_ARGS = ("-DLLAMA_BUILD_TOOLS=ON -DLLAMA_TOOLS_INSTALL=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_SERVER=ON "
               "-DLLAMA_USE_PREBUILT_UI=OFF")
 REPO = Path(__file__).resolve().parent.parent
+#: Compiler flags that keep llama.cpp's AMX kernels out of a -march=native build (GCC lets an explicit -mno-*
+#: win over what -march=native implies, whatever the order).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+#: Why a CPU with AMX builds without it unless QUANTYARD_LLAMA_AMX=on: with this pinned release, llama.cpp's
+#: AMX matmul (ggml-cpu/amx, compiled in when -march=native finds AMX) died at its first tile instruction on
+#: the AMX machine it was run on (Xeon with amx_tile/amx_int8/amx_bf16, 2026-12-02: SIGILL at `tilezero` inside
+#: ggml_backend_amx_mul_mat, SIGSEGV outside a debugger), for every Q8_0 and Q4_K_M file, llama-perplexity
+#: included, while a stand-alone AMX probe ran; the same files ran with AMX left out (AVX-512/VNNI kernels).
+AMX_REASON = ("llama.cpp's AMX matmul faulted (SIGILL at tilezero) with llama-cpp-python 0.3.36 on an AMX Xeon; "
+              "QUANTYARD_LLAMA_AMX=on builds it in anyway")
 
 
 def log(msg: str) -> None:
@@ -89,10 +99,39 @@ def cpu_key(cpuinfo: str | None = None) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 
-def build_key(cmake_args: str = CMAKE_ARGS) -> str:
-    """A short key of the build options: a wheel built with other CMake flags (without llama-server, say) is
-    another wheel."""
-    return hashlib.sha256(" ".join(sorted(cmake_args.split())).encode()).hexdigest()[:8]
+def amx_choice(cpuinfo: str | None = None, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """Whether the build keeps llama.cpp's AMX kernels, and why: ``("absent", ...)`` on a CPU without AMX,
+    ``("off", AMX_REASON)`` on one with it (the default, see :data:`AMX_REASON`), ``("on", ...)`` when
+    ``QUANTYARD_LLAMA_AMX=on`` asks for them. ``cpuinfo``/``env``: /proc/cpuinfo's text and the environment
+    (read when None)."""
+    environ = os.environ if env is None else env
+    want = environ.get("QUANTYARD_LLAMA_AMX", "auto").strip().lower()
+    if want not in ("auto", "on", "off"):
+        raise SystemExit(f"QUANTYARD_LLAMA_AMX must be auto, on or off; found {want!r}")
+    try:
+        info = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    except OSError:
+        info = ""
+    m = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
+    has_amx = bool(m and {"amx_tile", "amx_int8"} & set(m.group(1).split()))
+    if not has_amx:
+        return "absent", "this CPU has no AMX"
+    if want == "on":
+        return "on", "QUANTYARD_LLAMA_AMX=on"
+    return "off", (AMX_REASON if want == "auto" else "QUANTYARD_LLAMA_AMX=off")
+
+
+def compile_flags(cpuinfo: str | None = None, env: dict[str, str] | None = None) -> str:
+    """CFLAGS/CXXFLAGS of the build on this CPU: :data:`NO_AMX` when :func:`amx_choice` says off, else ''."""
+    return NO_AMX if amx_choice(cpuinfo, env)[0] == "off" else ""
+
+
+def build_key(cmake_args: str = CMAKE_ARGS, cflags: str | None = None) -> str:
+    """A short key of the build options: a wheel built with other CMake flags (without llama-server, say) or
+    other compiler flags (AMX left out, or not) is another wheel. ``cflags``: :func:`compile_flags` when None."""
+    flags = compile_flags() if cflags is None else cflags
+    words = sorted(cmake_args.split()) + (["CFLAGS:", *sorted(flags.split())] if flags else [])
+    return hashlib.sha256(" ".join(words).encode()).hexdigest()[:8]
 
 
 def wheel_dir(cache: Path) -> Path:
@@ -128,10 +167,16 @@ def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
         log(f"reusing cached wheel {wheels[0]}")
         return wheels[0]
     log("building llama-cpp-python from source with the llama.cpp tools (about 10 minutes on 2 cores)")
+    amx, why = amx_choice()
+    cflags = compile_flags()
+    log(f"AMX kernels: {amx} ({why})" + (f"; CFLAGS/CXXFLAGS {cflags}" if cflags else ""))
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
         env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS,
                    CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+        if cflags:
+            env["CFLAGS"] = f"{env.get('CFLAGS', '')} {cflags}".strip()
+            env["CXXFLAGS"] = f"{env.get('CXXFLAGS', '')} {cflags}".strip()
         subprocess.run(
             [venv_python, "-m", "pip", "wheel", "--no-deps", str(sdist), "-w", tmp],
             check=True, env=env,
@@ -142,6 +187,8 @@ def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
         staged = Path(tmp) / "staged"
         staged.mkdir()
         shutil.move(str(built[0]), staged / built[0].name)
+        (staged / "build.json").write_text(json.dumps(
+            {"cmake_args": CMAKE_ARGS, "cflags": cflags, "amx": amx, "amx_reason": why}, indent=2))
         os.replace(staged, folder)
     return next(folder.glob("*.whl"))
 

@@ -23,6 +23,7 @@ n_ubatch, KV cache types, flash attention, the CPU backend's features).
 from __future__ import annotations
 
 import ctypes
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -261,6 +262,13 @@ def speed(req: dict[str, Any], pool: np.ndarray) -> dict[str, Any]:
     return speed_result(s, single, parallel, settings, tool="llama-cpp-python (low-level llama_decode)")
 
 
+def compiled_features(llama_cpp: Any) -> str:
+    """The CPU features this llama.cpp build was compiled with, as llama.cpp reports them (its system info's
+    ``NAME = 1`` entries: AVX2, AVX512, AMX_INT8, REPACK...): which kernels ran, besides what the CPU has."""
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    return " ".join(m.group(1) for m in re.finditer(r"([A-Z0-9_]+) = 1\b", info))
+
+
 def main() -> None:
     req = read_request()
     out_dir = Path(req["out_dir"])
@@ -269,7 +277,7 @@ def main() -> None:
 
     result: dict[str, Any] = {"engine": "llama.cpp", "engine_version": f"llama-cpp-python {llama_cpp.__version__}"
                               + (f" (llama.cpp {req['llama_cpp_commit']})" if req.get("llama_cpp_commit") else ""),
-                              "hardware": hardware(req["threads"])}
+                              "hardware": {**hardware(req["threads"]), "llama_cpp_build": compiled_features(llama_cpp)}}
     if req.get("windows"):
         result["quality"] = _quality(req, out_dir)
     if req.get("speed"):

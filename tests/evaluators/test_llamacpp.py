@@ -54,6 +54,11 @@ def test_speed_is_recorded_with_hardware(demo_registry_template: dict) -> None:
     assert m["engine_settings"]["threads"]["n_threads"] == 2 and m["engine_settings"]["cuda_graphs"] == "n/a (CPU)"
     assert speed.hardware["cores"] and speed.hardware["threads"] == 2 and speed.hardware["cpu"]
     assert "llama-cpp-python 0.3.36" in speed.engine_version
+    # The kernels the build has, as llama.cpp reports them: no AMX where the CPU has AMX but the build left it out.
+    built = speed.hardware["llama_cpp_build"].split()
+    assert "AVX2" in built or "NEON" in built, built
+    assert ("AMX_INT8" in built) == ("amx_int8" in Path("/proc/cpuinfo").read_text().split()
+                                     and os.environ.get("QUANTYARD_LLAMA_AMX", "auto") == "on"), built
 
 
 def _reference_and_windows(demo_registry_template: dict) -> tuple[Path, Path]:

@@ -95,9 +95,14 @@ def test_plain_gguf_file_against_declared_source(demo_registry: Path, demo_model
     assert code == 2 and "--source" in out
 
 
-@pytest.mark.parametrize(("target_speed", "hardware_change", "expected"), [
-    (95.0, {}, "pass"), (50.0, {}, "fail"), (50.0, {"cpu": "Some Other CPU"}, "skip")])
-def test_speed_gate(demo_registry: Path, target_speed: float, hardware_change: dict, expected: str) -> None:
+@pytest.mark.parametrize(("target_speed", "base_change", "hardware_change", "expected"), [
+    (95.0, {}, {}, "pass"), (50.0, {}, {}, "fail"), (50.0, {}, {"cpu": "Some Other CPU"}, "skip"),
+    # llama.cpp built with other kernels (AMX in or out) is other hardware, where both records say so
+    (50.0, {"llama_cpp_build": "AVX2 AVX512"}, {"llama_cpp_build": "AVX2 AVX512 AMX_INT8"}, "skip"),
+    (50.0, {"llama_cpp_build": "AVX2 AVX512"}, {"llama_cpp_build": "AVX2 AVX512"}, "fail"),
+    (50.0, {}, {"llama_cpp_build": "AVX2 AVX512 AMX_INT8"}, "fail")])
+def test_speed_gate(demo_registry: Path, target_speed: float, base_change: dict, hardware_change: dict,
+                    expected: str) -> None:
     from flows.validate import ValidateOptions, check_speed, resolve_target
     from pipeline.checks import ValidationReport
     from pipeline.config import Settings
@@ -110,7 +115,7 @@ def test_speed_gate(demo_registry: Path, target_speed: float, hardware_change: d
         return {"kind": "speed", "engine": "llama.cpp", "status": "ok", "hardware": hardware,
                 "metrics": {"prompt_tok_per_s": {"median": 1000.0}, "decode_tok_per_s": {"median": v}}}
 
-    reg.add_result("demo/Q8_0", speed(100.0))
+    reg.add_result("demo/Q8_0", {**speed(100.0), "hardware": {**hardware, **base_change}})
     reg.add_result("demo/Q4_K_M", {**speed(target_speed), "hardware": {**hardware, **hardware_change}})
     cfg = Settings(registry=str(demo_registry), threads=2)
     opts = ValidateOptions(policy=Policy(), baseline="demo/Q8_0")
