@@ -39,6 +39,20 @@ def shared_cache() -> Path:
     return Settings().cache_dir
 
 
+def _free_gib(path: Path) -> float:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free / 2**30
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Free disk where the suite writes (pytest's temp folders, the Quantyard cache): a CI run once ran out."""
+    import tempfile
+
+    where = {"tmp": Path(tempfile.gettempdir()), "cache": shared_cache()}
+    return "quantyard disk: " + "; ".join(f"{k} {v}: {_free_gib(v):.1f} GiB free" for k, v in where.items())
+
+
 @pytest.fixture(scope="session")
 def cache_dir() -> Path:
     return shared_cache()
