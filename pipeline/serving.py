@@ -76,6 +76,8 @@ class LevelStats(BaseModel):
     request_goodput: float | None = None
     rss_peak_bytes: int | None = None  # CPU: resident memory of the server's process tree, peak during the level
     device_peak_bytes: int | None = None  # GPU: peak device memory during the level
+    #: GuideLLM runs of the level: 2 when the first sent its Poisson arrivals in a burst (evaluators/serving/load.py)
+    attempts: int = 1
     requests_log: list[RequestRecord] = Field(default_factory=list)
 
 

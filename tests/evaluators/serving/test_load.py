@@ -163,6 +163,46 @@ def test_a_poisson_level_sent_in_a_burst_is_an_error(tmp_path: Path) -> None:
     check_paced(records(0.0025), Level(mode="concurrency", concurrency=4), tmp_path)
 
 
+def _records(gaps: float) -> list[RequestRecord]:
+    return [RequestRecord(t_sent=i * gaps, t_first=i * gaps + 0.05, t_last=i * gaps + 0.1, token_times=[],
+                          prompt_tokens=4, output_tokens=4, output_tokens_client=4) for i in range(16)]
+
+
+@pytest.mark.parametrize("bursts", [0, 1, 2])
+def test_a_burst_level_is_run_again_once(bursts: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GuideLLM now and then sends a Poisson level at once (seen in a full test run: 16 requests in 0.019 s at
+    60/s): the level runs again, the burst's files kept as <level>.burst1, and the level says it took two runs;
+    a second burst is the error. Only GuideLLM's run is replaced here (by one that writes files and returns the
+    send times of a burst or of a paced level); what is tested is what run_level does with them."""
+    import evaluators.serving.load as load
+
+    runs: list[int] = []
+
+    def once(python: str, target: object, profile: object, level: Level, level_dir: Path, settings: object,
+             seed: int) -> list[RequestRecord]:
+        level_dir.mkdir(parents=True)
+        (level_dir / "requests.json").write_text(json.dumps({"run": len(runs) + 1}))
+        runs.append(1)
+        return _records(0.0025 if len(runs) <= bursts else 0.5)
+
+    monkeypatch.setattr(load, "_run_level_once", once)
+    level_dir = tmp_path / "02-r60"
+
+    def call() -> tuple[list[RequestRecord], int]:
+        return load.run_level("py", None, None, Level(mode="poisson", rate=2.0), level_dir, None)  # type: ignore[arg-type]
+
+    if bursts >= load.PACING_ATTEMPTS:
+        with pytest.raises(EngineError, match="not paced"):
+            call()
+        assert len(runs) == load.PACING_ATTEMPTS
+        return
+    records, attempts = call()
+    assert attempts == bursts + 1 == len(runs) and records == _records(0.5)
+    assert json.loads((level_dir / "requests.json").read_text()) == {"run": attempts}
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("02-r60.burst"))
+    assert kept == [f"02-r60.burst{i}" for i in range(1, bursts + 1)]
+
+
 def test_no_server_is_a_clear_error(guidellm_settings: Settings, demo_model: Path, tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="no OpenAI-compatible server"):
         run_load(f"http://127.0.0.1:{_free_port()}", "x", demo_model, _profile(), guidellm_settings, tmp_path)
