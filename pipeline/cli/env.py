@@ -39,6 +39,25 @@ def _plain(console: Any) -> Callable[[str], None]:
     return lambda line: console.print(line, markup=False, highlight=False)
 
 
+@env_app.command("prune")
+@handle_errors
+def env_prune(dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would go.")] = False,
+              as_json: JsonOpt = False) -> None:
+    """Remove managed environments this checkout no longer builds (older pins or recipe): each is GBs."""
+    from pipeline import envs
+    from pipeline.render import console, print_json
+
+    gone = envs.prune(settings(), dry_run=dry_run)
+    if as_json:
+        print_json([{"path": str(p), "size_bytes": n, "removed": not dry_run} for p, n in gone])
+        return
+    verb = "would remove" if dry_run else "removed"
+    for path, size in gone:
+        console.print(f"{verb} {path} ({size / 2**30:.2f} GiB)", markup=False, highlight=False)
+    total = sum(n for _, n in gone) / 2**30
+    console.print(f"{len(gone)} superseded environment(s), {total:.2f} GiB", markup=False, highlight=False)
+
+
 @env_app.command("ensure")
 @handle_errors
 def env_ensure(names: Annotated[list[str], typer.Argument(help="Environment names (see `quantyard env list`).")],

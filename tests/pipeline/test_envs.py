@@ -226,3 +226,52 @@ def test_an_interrupted_parallel_build_kills_its_pip(tmp_path: Path) -> None:
     assert "interrupted at 'a long install'" in str(errors[0])
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_prune_removes_only_environments_this_checkout_no_longer_builds(tmp_path: Path) -> None:
+    """Superseded builds (a known name, a 16-hex key that is not current) go with their lock files; the current
+    CPU and CUDA builds, a folder being built (its lock held), and anything not named like a managed build stay."""
+    import fcntl
+
+    cfg = Settings(envs_dir=tmp_path / "envs", cache_dir=tmp_path / "cache")
+    root = cfg.envs_root
+    root.mkdir(parents=True)
+    spec = envs.spec_for("awq")
+    current = sorted(envs.current_keys(spec))
+    assert current and all(len(k) == 16 for k in current)
+
+    def folder(name: str, size: int = 1000) -> Path:
+        path = root / name
+        (path / "bin").mkdir(parents=True)
+        (path / "bin" / "blob").write_bytes(b"x" * size)
+        (root / f".{name}.lock").touch()
+        return path
+
+    old = folder("awq-0123456789abcdef", 5000)
+    old_vllm = folder("vllm-fedcba9876543210", 7000)
+    busy = folder("guidellm-aaaaaaaaaaaaaaaa")
+    keep = [folder(f"awq-{k}") for k in current]
+    odd = [folder("awq-notakey"), folder("mine-0123456789abcdef")]
+
+    with (root / f".{busy.name}.lock").open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # a build in progress, as ensure_build holds it
+        assert {p for p, _ in envs.prune(cfg, dry_run=True)} == {old, old_vllm}
+        assert old.is_dir()  # a dry run removes nothing
+        gone = dict(envs.prune(cfg))
+    assert gone == {old: 5000, old_vllm: 7000}
+    assert not old.exists() and not old_vllm.exists() and not (root / f".{old.name}.lock").exists()
+    assert busy.is_dir() and all(p.is_dir() for p in keep + odd)
+    assert dict(envs.prune(cfg)) == {busy: 1000}  # once its build is no longer running
+    assert envs.prune(Settings(envs_dir=tmp_path / "none", cache_dir=tmp_path / "cache")) == []
+
+
+def test_env_prune_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTYARD_ENVS_DIR", str(tmp_path / "envs"))
+    (tmp_path / "envs" / "vllm-0000000000000000" / "bin").mkdir(parents=True)
+    result = CliRunner().invoke(app, ["env", "prune", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == [{"path": str(tmp_path / "envs" / "vllm-0000000000000000"),
+                                          "size_bytes": 0, "removed": False}]
+    result = CliRunner().invoke(app, ["env", "prune"])
+    assert result.exit_code == 0 and "removed" in result.output and "1 superseded" in result.output, result.output
+    assert not (tmp_path / "envs" / "vllm-0000000000000000").exists()
