@@ -388,6 +388,9 @@ def prune(settings: Settings, dry_run: bool = False) -> list[tuple[Path, int]]:
             if not path.is_dir() or len(key) != 16 or any(c not in "0123456789abcdef" for c in key) or key in keep:
                 continue
             lock = root / f".{path.name}.lock"
+            if dry_run and not lock.exists():  # no builder ever held it; a dry run creates nothing
+                removed.append((path, dir_size(path)))
+                continue
             with lock.open("a") as fh:
                 try:
                     fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)

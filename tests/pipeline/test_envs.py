@@ -249,6 +249,7 @@ def test_prune_removes_only_environments_this_checkout_no_longer_builds(tmp_path
 
     old = folder("awq-0123456789abcdef", 5000)
     old_vllm = folder("vllm-fedcba9876543210", 7000)
+    (root / f".{old_vllm.name}.lock").unlink()  # a folder without its lock file: a dry run must not make one
     busy = folder("guidellm-aaaaaaaaaaaaaaaa")
     keep = [folder(f"awq-{k}") for k in current]
     odd = [folder("awq-notakey"), folder("mine-0123456789abcdef")]
@@ -256,7 +257,7 @@ def test_prune_removes_only_environments_this_checkout_no_longer_builds(tmp_path
     with (root / f".{busy.name}.lock").open("a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)  # a build in progress, as ensure_build holds it
         assert {p for p, _ in envs.prune(cfg, dry_run=True)} == {old, old_vllm}
-        assert old.is_dir()  # a dry run removes nothing
+        assert old.is_dir() and not (root / f".{old_vllm.name}.lock").exists()  # a dry run changes nothing
         gone = dict(envs.prune(cfg))
     assert gone == {old: 5000, old_vllm: 7000}
     assert not old.exists() and not old_vllm.exists() and not (root / f".{old.name}.lock").exists()
