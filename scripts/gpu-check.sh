@@ -67,7 +67,8 @@ awq_prepare() {
 awq_run() {
   QUANTYARD_GPU_TOKENIZER="$CARRY/part2/tokenizer" QUANTYARD_AWQ_PYTHON="$(command -v python3)" \
     PYTHONPATH="$TARGET:$ROOT" python3 -m pytest -m gpu -p no:cacheprovider -q -rA \
-    "$ROOT/tests/converters/test_awq_gpu.py" --junitxml="$OUT/awq-junit.xml" 2>&1 | tee "$OUT/awq-pytest.log"
+    "$ROOT/tests/converters/test_awq_gpu.py" "$ROOT/tests/evaluators/test_reference_gpu.py" \
+    --junitxml="$OUT/awq-junit.xml" 2>&1 | tee "$OUT/awq-pytest.log"
   return "${PIPESTATUS[0]}"
 }
 
@@ -131,6 +132,7 @@ check() {
   "$py" -c 'import json, torch; print(json.dumps({"cuda": torch.cuda.is_available(), "torch": torch.__version__}))' \
     | tee "$OUT/probe.json"
   PYTHONPATH="$ROOT" "$py" -m pytest -m gpu -p no:cacheprovider -q -rA "$ROOT/tests/converters/test_awq_gpu.py" \
+    "$ROOT/tests/evaluators/test_reference_gpu.py" \
     | tee "$OUT/check.log"
 }
 

