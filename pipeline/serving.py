@@ -45,6 +45,9 @@ class RequestRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     t_sent: float
+    #: open loop: when the client's Poisson schedule meant to send it (GuideLLM's ``targeted_start``); None in a
+    #: closed loop, where every request is due as soon as its user is free
+    t_target: float | None = None
     t_first: float | None = None  # first content token; None when none arrived
     t_last: float | None = None
     token_times: list[float] = Field(default_factory=list)  # arrival of every streamed token (or chunk)
@@ -70,6 +73,9 @@ class LevelStats(BaseModel):
     tpot_ms: Percentiles | None = None
     itl_ms: Percentiles | None = None
     e2el_ms: Percentiles | None = None
+    #: open loop: how late the client sent each request after its scheduled arrival (t_sent - t_target); a
+    #: client that falls behind its schedule offers a burstier load than the rate says
+    dispatch_delay_ms: Percentiles | None = None
     request_throughput: float | None = None
     output_throughput: float | None = None
     total_token_throughput: float | None = None

@@ -12,7 +12,8 @@
 
 The result (JSON): ``{"guidellm_version", "report", "requests": [...]}`` with one entry per request in
 GuideLLM's report (successful, errored and incomplete alike): ``status``, GuideLLM's own timestamps
-(``request_start``, ``first_token``, ``last_token``, ``request_end``; Unix seconds, ``time.time()``),
+(``request_start``, ``first_token``, ``last_token``, ``request_end``, and ``targeted_start``, when its
+schedule meant to send the request; Unix seconds, ``time.time()``),
 ``token_times`` (every content chunk's arrival, recorded by the backend wrapper; empty where the request
 failed before GuideLLM compiled a response), ``usage`` (the server's raw usage, ``None`` when it sent
 none), ``output_tokens_client`` and ``error``. No metric is computed here: ``evaluators.serving.metrics``
@@ -61,6 +62,7 @@ def request_entry(stats: dict[str, Any], status: str, count: Any) -> dict[str, A
         error = "cancelled before it completed"
     return {"status": status, "request_id": stats.get("request_id"),
             "request_start": timings.get("request_start") or timings.get("resolve_start"),
+            "targeted_start": timings.get("targeted_start"),
             "first_token": timings.get("first_token_iteration"), "last_token": timings.get("last_token_iteration"),
             "request_end": timings.get("request_end"), "chunks": timings.get("token_iterations"),
             "token_times": list(ours.get("token_times") or []), "usage": ours.get("usage"),

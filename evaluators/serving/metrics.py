@@ -18,6 +18,11 @@ Per request (completed):
   chunk the gap is per chunk, as in vLLM. A request without ``token_times`` contributes no gap;
 * ``e2el``: end-to-end latency, ``t_last − t_sent``.
 
+Per request (open loop, every measured one): ``dispatch delay``, ``t_sent − t_target``, how late the client
+sent it after its scheduled Poisson arrival (GuideLLM's ``request_dispatch_delay``). The latencies above
+start at ``t_sent``, as vLLM's do; a client that falls behind its schedule offers a burstier load than its
+rate, which this shows.
+
 Each latency is reported in **milliseconds** as mean, median, p90 and p99 (numpy's default linear
 interpolation between order statistics, as ``vllm bench serve`` computes them); ``None`` when no request has
 a value (for example every request produced one token: no TPOT, no ITL).
@@ -204,6 +209,7 @@ def level_stats(records: Sequence[RequestRecord], level: Level, slo: Slo | None 
         tpot_ms=percentiles_ms([v for r in done if (v := tpot_s(r)) is not None]),
         itl_ms=percentiles_ms([g for r in done for g in itl_gaps_s(r)]),
         e2el_ms=percentiles_ms([v for r in done if (v := e2el_s(r)) is not None]),
+        dispatch_delay_ms=percentiles_ms([r.t_sent - r.t_target for r in records if r.t_target is not None]),
         request_throughput=rates["request_throughput"], output_throughput=rates["output_throughput"],
         total_token_throughput=rates["total_token_throughput"], request_goodput=rates["request_goodput"],
         requests_log=list(records) if keep_log else [])

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from evaluators.serving.load import (
+    EARLY_S,
     TOOL,
     check_paced,
     requests_sent,
@@ -147,6 +148,11 @@ def test_the_tail_after_the_measured_requests_is_not_measured() -> None:
     records = to_records(entries, warmup=1, measured_n=3)
     assert [r.t_sent for r in records] == [0.0, 1.0, 2.0]  # sent at 1, 2, 3: 0 was warm-up, 4 and 5 the tail
     assert len(to_records(entries[:4], warmup=1, measured_n=3)) == 3  # the tail left out of the report
+    # an open loop keeps each request's scheduled arrival, on the same clock; a closed loop has none to keep
+    scheduled = [{**e, "targeted_start": e["request_start"] - 0.005} for e in entries]
+    assert [r.t_target for r in to_records(scheduled, warmup=1, measured_n=3, open_loop=True)] == \
+        [pytest.approx(t - 0.005) for t in (0.0, 1.0, 2.0)]
+    assert {r.t_target for r in to_records(scheduled, warmup=1, measured_n=3)} == {None}
 
 
 def test_a_poisson_level_sent_in_a_burst_is_an_error(tmp_path: Path) -> None:
@@ -161,6 +167,14 @@ def test_a_poisson_level_sent_in_a_burst_is_an_error(tmp_path: Path) -> None:
         check_paced(records(0.0025), poisson, tmp_path)
     check_paced(records(0.5), poisson, tmp_path)
     check_paced(records(0.0025), Level(mode="concurrency", concurrency=4), tmp_path)
+    # a burst over part of a level: the span looks paced, but some requests left before their scheduled arrival
+    paced = [r.model_copy(update={"t_target": r.t_sent - 0.004}) for r in records(0.5)]
+    check_paced(paced, poisson, tmp_path)
+    partial = [r.model_copy(update={"t_target": r.t_sent + (1.2 - 0.1 * i if i < 6 else -0.004)})
+               for i, r in enumerate(records(0.5))]
+    with pytest.raises(EngineError, match=r"sent 6 of 16 requests before their scheduled Poisson arrival at 2/s "
+                                          r"\(up to 1\.200 s early\)"):
+        check_paced(partial, poisson, tmp_path)
 
 
 def _records(gaps: float) -> list[RequestRecord]:
@@ -210,7 +224,7 @@ def test_no_server_is_a_clear_error(guidellm_settings: Settings, demo_model: Pat
 
 # --- a server that saturates: one request at a time --------------------------------------------------------
 
-QUEUE_TTFT_S, QUEUE_ITL_S, QUEUE_TOKENS = 0.05, 0.01, 4
+QUEUE_TTFT_S, QUEUE_ITL_S, QUEUE_TOKENS = 0.1, 0.01, 4
 
 
 class _OneAtATime(BaseHTTPRequestHandler):
@@ -267,17 +281,20 @@ def queue_server() -> Iterator[str]:
 
 def test_open_loop_sweep_finds_the_knee_of_a_saturating_server(queue_server: str, demo_model: Path,
                                                                  tmp_path: Path, guidellm_settings: Settings) -> None:
-    # one request takes ~0.08 s (TTFT 50 ms + 3 gaps of 10 ms): capacity ~12 requests/s. At 2/s nearly every
-    # request finds the server idle; at 60/s 16 requests arrive within ~0.3 s and the later ones queue for
-    # up to a second, past the 300 ms TTFT bound.
-    slo = Slo(ttft_ms=300.0, tpot_ms=100.0)
-    profile = sweep_profile([2.0, 60.0, 120.0], shape=_profile(output_tokens=QUEUE_TOKENS, warmup_requests=0,
-                                                                 requests_per_level=16), slo=slo)
+    # one request takes ~0.13 s (TTFT 100 ms + 3 gaps of 10 ms): capacity ~7 requests/s. At 1.5/s a request
+    # misses the 1 s TTFT bound only behind ~7 others (or in a stall of the machine near a second); at 100/s
+    # 16 requests arrive within ~0.16 s and the 8th and later queue for over a second: half of them miss it.
+    slo = Slo(ttft_ms=1000.0, tpot_ms=100.0)
+    profile = sweep_profile([1.5, 100.0, 200.0], shape=_profile(output_tokens=QUEUE_TOKENS, warmup_requests=0,
+                                                                  requests_per_level=16), slo=slo)
     levels = run_load(queue_server, "queue", demo_model, profile, guidellm_settings, tmp_path)
-    assert [lv.rate for lv in levels] == [2.0, 60.0]  # the sweep stops at the first rate that misses the SLO
+    assert [lv.rate for lv in levels] == [1.5, 100.0]  # the sweep stops at the first rate that misses the SLO
     knee = find_knee(levels, slo)
-    assert knee is not None and (knee["met_rate"], knee["failed_rate"]) == (2.0, 60.0), knee
+    assert knee is not None and (knee["met_rate"], knee["failed_rate"]) == (1.5, 100.0), knee
     low, high = levels
     assert low.ttft_ms is not None and high.ttft_ms is not None
-    assert low.ttft_ms.median < 300.0 < high.ttft_ms.p90  # queueing, measured
+    assert low.ttft_ms.median < 1000.0 < high.ttft_ms.p90  # queueing, measured
     assert high.failed == 0  # a knee, not timeouts
+    for lv in levels:  # each request's scheduled arrival is kept, and none went out before it (check_paced)
+        assert all(r.t_target is not None and r.t_sent >= r.t_target - EARLY_S for r in lv.requests_log)
+        assert lv.dispatch_delay_ms is not None and lv.dispatch_delay_ms.median >= 0.0, lv.dispatch_delay_ms
