@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Install llama-cpp-python (with the llama.cpp tools) into a venv, from a cached wheel.
 
-PyPI has no prebuilt llama-cpp-python wheel and a source build takes ~10 minutes
-on 2 cores, so the wheel is built once from the pinned sdist and cached outside
-the repository, keyed by version, by the CPU it was compiled for (the build
-uses -march=native, so a wheel only suits the same CPU kind) and by the CMake
-options (the tools and llama-server are built too).
+PyPI has no prebuilt llama-cpp-python wheel, so the wheel is built once from the
+pinned sdist and cached outside the repository, keyed by version, by the CPU it
+was compiled for (the build uses -march=native, so a wheel only suits the same
+CPU kind) and by the build options (CMake flags, compiler flags, the patches).
+The build is cut to what Quantyard runs: the sdist is extracted and the llama.cpp
+tools no code here uses are left out (DROPPED_TOOLS), and it is a CMake unity
+build (UNITY_SKIP). Its progress is printed every 30 s, its output kept in
+CACHE/logs/llama-cpp-python-VERSION-build.log.
 
 The same sdist also provides llama.cpp's own HF->GGUF converter
 (`convert_hf_to_gguf.py`, `conversion/`, and the matching `gguf-py/`). They are
@@ -28,14 +31,27 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 VERSION = "0.3.36"
 # The tools (llama-quantize, llama-imatrix, llama-perplexity...) and llama-server, which a sub-project build
 # leaves out by default. The server's web UI is off: its prebuilt assets would be downloaded from Hugging Face
 # at build time (LLAMA_USE_PREBUILT_UI, on by default) and building it needs npm; the OpenAI API needs neither.
+# A CMake unity build (several sources compiled as one: each header parsed once per batch, not once per file)
+# builds the whole of it in about half the time on 2 cores (see UNITY_SKIP for the sources it cannot take).
 CMAKE_ARGS = ("-DLLAMA_BUILD_TOOLS=ON -DLLAMA_TOOLS_INSTALL=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_SERVER=ON "
-              "-DLLAMA_USE_PREBUILT_UI=OFF")
+              "-DLLAMA_USE_PREBUILT_UI=OFF -DCMAKE_UNITY_BUILD=ON")
+#: llama.cpp tools no part of Quantyard runs, left out of the build: their ``add_subdirectory`` lines in the
+#: extracted sdist's ``tools/CMakeLists.txt`` are commented out. Built: llama-quantize, llama-perplexity,
+#: llama-imatrix, llama-bench, llama-batched-bench, llama-gguf-split and llama-server (with the mtmd library it
+#: links). tests/scripts/test_bootstrap_llama_cpp.py checks that no code names a binary of a dropped tool.
+DROPPED_TOOLS = ("cli", "completion", "cvector-generator", "export-lora", "fit-params", "results", "tokenize",
+                 "tts")
+#: Sources a unity build cannot take, compiled on their own (SKIP_UNITY_BUILD_INCLUSION, appended to their
+#: folder's CMakeLists.txt): common/json.cpp specializes a template that an earlier file of its batch has
+#: instantiated; mtmd-helper*.cpp refuse, by #error, to be compiled with mtmd's internal headers.
+UNITY_SKIP = {"common": ("json.cpp",), "tools/mtmd": ("mtmd-helper.cpp", "mtmd-helper-gen.cpp")}
 REPO = Path(__file__).resolve().parent.parent
 #: Compiler flags that keep llama.cpp's AMX kernels out of a -march=native build (GCC lets an explicit -mno-*
 #: win over what -march=native implies, whatever the order).
@@ -126,12 +142,44 @@ def compile_flags(cpuinfo: str | None = None, env: dict[str, str] | None = None)
     return NO_AMX if amx_choice(cpuinfo, env)[0] == "off" else ""
 
 
-def build_key(cmake_args: str = CMAKE_ARGS, cflags: str | None = None) -> str:
-    """A short key of the build options: a wheel built with other CMake flags (without llama-server, say) or
-    other compiler flags (AMX left out, or not) is another wheel. ``cflags``: :func:`compile_flags` when None."""
+def source_patches() -> list[str]:
+    """The changes :func:`patch_source` makes to the sdist's llama.cpp, as words of the build key."""
+    skips = [f"{folder}/{name}" for folder, names in sorted(UNITY_SKIP.items()) for name in names]
+    return ["DROP:", *sorted(DROPPED_TOOLS), "UNITY_SKIP:", *skips]
+
+
+def build_key(cmake_args: str = CMAKE_ARGS, cflags: str | None = None,
+              patches: list[str] | None = None) -> str:
+    """A short key of the build options: a wheel built with other CMake flags (without llama-server, say), other
+    compiler flags (AMX left out, or not) or another set of dropped tools is another wheel. ``cflags``:
+    :func:`compile_flags` when None; ``patches``: :func:`source_patches` when None."""
     flags = compile_flags() if cflags is None else cflags
     words = sorted(cmake_args.split()) + (["CFLAGS:", *sorted(flags.split())] if flags else [])
+    words += source_patches() if patches is None else patches
     return hashlib.sha256(" ".join(words).encode()).hexdigest()[:8]
+
+
+def patch_source(llama_cpp: Path) -> None:
+    """Leave :data:`DROPPED_TOOLS` out of the extracted sdist's llama.cpp (folder ``llama_cpp``) and compile
+    :data:`UNITY_SKIP` on their own. Fails (SystemExit) where the sources are not as this script expects."""
+    tools = llama_cpp / "tools" / "CMakeLists.txt"
+    text = tools.read_text()
+    for name in DROPPED_TOOLS:
+        line = re.compile(rf"^(\s*)(add_subdirectory\({re.escape(name)}\))\s*$", re.M)
+        found = len(line.findall(text))
+        if found != 1:
+            raise SystemExit(f"{tools}: expected one 'add_subdirectory({name})' line, found {found}; "
+                             "update DROPPED_TOOLS")
+        text = line.sub(r"\1# not built (scripts/bootstrap_llama_cpp.py DROPPED_TOOLS): \2", text)
+    tools.write_text(text)
+    for folder, names in UNITY_SKIP.items():
+        cmake = llama_cpp / folder / "CMakeLists.txt"
+        missing = [n for n in names if not (cmake.parent / n).is_file()]
+        if missing:
+            raise SystemExit(f"{cmake.parent}: expected {missing}; update UNITY_SKIP")
+        with cmake.open("a") as fh:
+            fh.write(f"\n# scripts/bootstrap_llama_cpp.py UNITY_SKIP\n"
+                     f"set_source_files_properties({' '.join(names)} PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)\n")
 
 
 def wheel_dir(cache: Path) -> Path:
@@ -160,35 +208,72 @@ def ensure_sdist(cache: Path) -> Path:
     return sdist
 
 
+#: Seconds between two progress lines of the build.
+PROGRESS_S = 30.0
+STEP = re.compile(r"\[(\d+)/(\d+)\]")
+
+
+def run_build(cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+    """Run the wheel build, its whole output to ``log_path``, and print its progress (ninja's ``[done/total]``
+    steps) every :data:`PROGRESS_S` seconds. Fails (SystemExit, with the log's tail) when the build does."""
+    t0 = last = time.monotonic()
+    done = total = 0
+    with log_path.open("w") as log_fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log_fh.write(line)
+            m = STEP.search(line)
+            if m:
+                done, total = max(done, int(m.group(1))), int(m.group(2))
+            now = time.monotonic()
+            if now - last >= PROGRESS_S:
+                last = now
+                steps = f"{done}/{total} compile steps" if total else "configuring"
+                log(f"building: {steps}, {(now - t0) / 60:.1f} min")
+        code = proc.wait()
+    if code != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
+        raise SystemExit(f"{tail}\nthe llama-cpp-python build failed (exit {code}); its whole output: {log_path}")
+    log(f"built in {(time.monotonic() - t0) / 60:.1f} min")
+
+
 def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
     folder = wheel_dir(cache)
     wheels = sorted(folder.glob("*.whl"))
     if wheels:
         log(f"reusing cached wheel {wheels[0]}")
         return wheels[0]
-    log("building llama-cpp-python from source with the llama.cpp tools (about 10 minutes on 2 cores)")
+    log("building llama-cpp-python from source with the llama.cpp tools Quantyard runs (about 7 minutes on 2 "
+        f"cores; left out: {', '.join(DROPPED_TOOLS)})")
     amx, why = amx_choice()
     cflags = compile_flags()
     log(f"AMX kernels: {amx} ({why})" + (f"; CFLAGS/CXXFLAGS {cflags}" if cflags else ""))
     folder.parent.mkdir(parents=True, exist_ok=True)
+    logs = cache / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        source = Path(tmp) / f"llama_cpp_python-{VERSION}"
+        patch_source(source / "vendor" / "llama.cpp")
         env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS,
                    CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
         if cflags:
             env["CFLAGS"] = f"{env.get('CFLAGS', '')} {cflags}".strip()
             env["CXXFLAGS"] = f"{env.get('CXXFLAGS', '')} {cflags}".strip()
-        subprocess.run(
-            [venv_python, "-m", "pip", "wheel", "--no-deps", str(sdist), "-w", tmp],
-            check=True, env=env,
-        )
-        built = sorted(Path(tmp).glob("*.whl"))
+        out = Path(tmp) / "out"
+        run_build([venv_python, "-m", "pip", "wheel", "--no-deps", "-v", str(source), "-w", str(out)], env,
+                  logs / f"llama-cpp-python-{VERSION}-build.log")
+        built = sorted(out.glob("*.whl"))
         if len(built) != 1:
             raise SystemExit(f"expected one wheel from the build, found {built}")
         staged = Path(tmp) / "staged"
         staged.mkdir()
         shutil.move(str(built[0]), staged / built[0].name)
         (staged / "build.json").write_text(json.dumps(
-            {"cmake_args": CMAKE_ARGS, "cflags": cflags, "amx": amx, "amx_reason": why}, indent=2))
+            {"cmake_args": CMAKE_ARGS, "cflags": cflags, "amx": amx, "amx_reason": why,
+             "dropped_tools": list(DROPPED_TOOLS), "unity_skip": UNITY_SKIP}, indent=2))
         os.replace(staged, folder)
     return next(folder.glob("*.whl"))
 
