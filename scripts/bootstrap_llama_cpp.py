@@ -244,7 +244,7 @@ def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
     if wheels:
         log(f"reusing cached wheel {wheels[0]}")
         return wheels[0]
-    log("building llama-cpp-python from source with the llama.cpp tools Quantyard runs (about 7 minutes on 2 "
+    log("building llama-cpp-python from source with the llama.cpp tools Quantyard runs (about 5 minutes on 2 "
         f"cores; left out: {', '.join(DROPPED_TOOLS)})")
     amx, why = amx_choice()
     cflags = compile_flags()
