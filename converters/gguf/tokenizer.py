@@ -30,6 +30,7 @@ from typing import Any
 from pipeline.errors import ConversionError, TokenizerMismatchError
 from pipeline.fs import write_atomic
 from pipeline.proc import run_logged
+from pipeline.texts import text_sha256
 
 WORKER = "converters.gguf.workers.tokenize"
 CONTEXT = 4  # tokens shown on each side of the first difference
@@ -84,7 +85,8 @@ class ParityReport:
 
 
 def probe_sha256(text: str = PROBE_TEXT) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    """sha256 of ``text`` (the probe by default), as lineage records texts (``pipeline.texts.text_sha256``)."""
+    return text_sha256(text)
 
 
 @functools.lru_cache(maxsize=16)

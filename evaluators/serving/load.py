@@ -341,21 +341,21 @@ def check_paced(records: Sequence[RequestRecord], level: Level, level_dir: Path)
     early = [r for r in records if r.t_target is not None and r.t_sent < r.t_target - EARLY_S]
     if early:
         worst = max(r.t_target - r.t_sent for r in early if r.t_target is not None)
-        raise EngineError(f"GuideLLM sent {len(early)} of {len(records)} requests before their scheduled Poisson "
-                          f"arrival at {level.rate:g}/s (up to {worst:.3f} s early): the arrivals were not paced, "
-                          "so the level measures a burst, not its rate", engine=ENV,
-                          hint=f"its workers probably started late on a busy machine; read {level_dir}/guidellm.err "
-                               "and run it again on a quieter machine")
+        raise _unpaced(f"GuideLLM sent {len(early)} of {len(records)} requests before their scheduled Poisson "
+                       f"arrival at {level.rate:g}/s (up to {worst:.3f} s early)", level_dir)
     if len(records) < 3:
         return
     span = max(r.t_sent for r in records) - min(r.t_sent for r in records)
     expected = (len(records) - 1) / level.rate
     if span < BURST_FRACTION * expected:
-        raise EngineError(f"GuideLLM sent {len(records)} requests in {span:.3f} s at a Poisson rate of "
-                          f"{level.rate:g}/s (about {expected:.1f} s expected): the arrivals were not paced, so "
-                          "the level measures a burst, not its rate", engine=ENV,
-                          hint=f"its workers probably started late on a busy machine; read {level_dir}/guidellm.err "
-                               "and run it again on a quieter machine")
+        raise _unpaced(f"GuideLLM sent {len(records)} requests in {span:.3f} s at a Poisson rate of "
+                       f"{level.rate:g}/s (about {expected:.1f} s expected)", level_dir)
+
+
+def _unpaced(what: str, level_dir: Path) -> EngineError:
+    return EngineError(f"{what}: the arrivals were not paced, so the level measures a burst, not its rate",
+                       engine=ENV, hint=f"its workers probably started late on a busy machine; read "
+                                        f"{level_dir}/guidellm.err and run it again on a quieter machine")
 
 
 def check_server(base_url: str, timeout_s: float = 10.0) -> None:
