@@ -28,7 +28,10 @@ hold the rest of Quantyard's time: ``other, in the flow`` (its report's wall tim
 registry, building the graph, the ledger, the report) and ``other, outside the flow`` (the command's wall time
 minus its report's: interpreter start, imports, Prefect's embedded server, printing the JSON). The llama.cpp
 column has no such rows: its whole command is the sum of its steps. The last row is each whole command, and
-the ratio Quantyard / llama.cpp.
+the ratio Quantyard / llama.cpp. By hand, the evaluations run one after another, as the commands are typed;
+so do Quantyard's by default. With ``--eval-jobs 0`` Quantyard runs them all at once, the threads split
+(flows/schedule.py): then its evaluations' row is their wall time, first start to last end, and each
+evaluation's own row overlaps the others.
 The variant table shows both ways' PPL (they score the same tokens: they should agree closely), KLD (llama.cpp's
 against its F16 GGUF; Quantyard's against the same F16 GGUF on its llama.cpp runner, or with ``--reference
 transformers`` against the checkpoint in fp32, when they differ by the F16's own KLD) and top-1 agreement.
@@ -36,7 +39,7 @@ llama.cpp's reference PPL is what ``--kl-divergence`` prints as PPL(base): compu
 log-probs ``--kl-divergence-base`` stored, so it is off by their rounding.
 
 Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real] [--windows 64] [--threads N]
-[--reference llama.cpp|transformers] [--out FILE]
+[--reference llama.cpp|transformers] [--eval-jobs 1] [--out FILE]
 (``--model`` may be given twice; without it both models run, demo first.)
 """
 
@@ -88,6 +91,10 @@ class Way:
     steps: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0
     flow_s: float = 0.0  # Quantyard: the flow's own wall time (its report's wall_s)
+    #: Quantyard: how its evaluations ran (ConvertReport.eval_schedule) and their wall time, first start to
+    #: last end (with several at once, less than the sum of their own times)
+    schedule: dict[str, object] | None = None
+    eval_wall_s: float | None = None
     variants: dict[str, dict[str, float | None]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -155,8 +162,10 @@ def fresh_env(cfg: Settings, tmp: Path) -> dict[str, str]:
     return env
 
 
-def quantyard(ckpt: Path, cfg: Settings, work: Path, windows: int, threads: int, reference: str) -> Way:
-    """``quantyard convert`` in a subprocess on a fresh registry, cache and work dir.
+def quantyard(ckpt: Path, cfg: Settings, work: Path, windows: int, threads: int, reference: str,
+              eval_jobs: int = 1) -> Way:
+    """``quantyard convert`` in a subprocess on a fresh registry, cache and work dir (``--eval-jobs``: how many
+    evaluations it may run at once, flows/schedule.py).
     Raises RuntimeError when it fails or a stage did not run."""
     events = work / "events.jsonl"
     opts = {
@@ -170,6 +179,7 @@ def quantyard(ckpt: Path, cfg: Settings, work: Path, windows: int, threads: int,
         "--score-from": str(SCORE_FROM),
         "--max-windows": str(windows),
         "--threads": str(threads),
+        "--eval-jobs": str(eval_jobs),
         "--registry": str(work / "registry"),
     }
     flags = [x for pair in opts.items() for x in pair]
@@ -186,6 +196,12 @@ def quantyard(ckpt: Path, cfg: Settings, work: Path, windows: int, threads: int,
         if entry["status"] in ("failed", "skipped", "reused"):
             raise RuntimeError(f"stage {entry['stage']} {entry['status']} in a fresh run: {entry.get('error')}")
         way.steps[entry["stage"]] = float(entry["dispatch_s"] or 0.0)
+    evals = [e for e in report["stages"] if e["stage"].startswith("evaluate:")]
+    if evals:
+        way.eval_wall_s = (max(e["start_s"] + e["dispatch_s"] for e in evals) - min(e["start_s"] for e in evals))
+    way.schedule = report.get("eval_schedule")
+    if way.schedule:
+        way.notes.append(f"Quantyard's evaluations: {way.schedule['reason']}")
     for v in report["variants"]:
         m = v["quality"] or {}
         top1 = m.get("top1_agreement")
@@ -243,9 +259,16 @@ def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
         ("reference", h["reference"], q["reference"], REFERENCE_HOLDS[reference]),
     ]
     rows += [(f"  evaluate {t}", h[f"evaluate:{t}"], _sum(q, f"evaluate:{t}:"), "runner, exact KLD") for t in QUANTS]
-    rows += [
-        ("3 evaluations", _sum(h, "evaluate:"), sum(_sum(q, f"evaluate:{t}:") for t in QUANTS), "(evaluate stages)"),
-    ]
+    schedule = qy.schedule or {}
+    together = int(schedule.get("at_once", 1) or 1) > 1
+    if together:  # several at once: the stages' wall time, not the sum of their own times
+        threads = "/".join(map(str, schedule.get("threads") or []))
+        rows.append((f"evaluations, wall ({schedule['at_once']} at once, {threads} threads each)",
+                     _sum(h, "evaluate:"), qy.eval_wall_s or 0.0,
+                     "first start to last end; the rows above are each evaluation's own time"))
+    else:
+        rows.append(("3 evaluations", _sum(h, "evaluate:"), sum(_sum(q, f"evaluate:{t}:") for t in QUANTS),
+                     "(evaluate stages, one after another)"))
     if any(k.startswith("evaluate:F16:") for k in q):
         rows.append(("F16 evaluation (its KLD vs the reference)", None, _sum(q, "evaluate:F16:"), "Quantyard only"))
     shown = ("hash", "resolve", "prepare:", "build:", "register:", "reference", "evaluate:")
@@ -253,8 +276,11 @@ def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
     if unshown:
         rows.append((f"other stages ({', '.join(unshown)})", None, sum(unshown.values()), "Quantyard only"))
     outside = qy.total_s - qy.flow_s
+    staged = sum(q.values())
+    if together:
+        staged += (qy.eval_wall_s or 0.0) - _sum(q, "evaluate:")
     rows += [
-        ("other, in the flow", None, qy.flow_s - sum(q.values()), "registry, sweep, graph, ledger, report"),
+        ("other, in the flow", None, qy.flow_s - staged, "registry, sweep, graph, ledger, report"),
         ("other, outside the flow", None, outside, "interpreter, imports, Prefect's embedded server, JSON"),
     ]
     return rows
@@ -321,7 +347,7 @@ def header(argv: list[str], load: tuple[float, float, float], threads: int) -> s
     )
 
 
-def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: str) -> str:
+def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: str, eval_jobs: int = 1) -> str:
     """Both ways on one checkpoint, in a temporary folder; the tables."""
     ckpt = checkpoint(name, cfg)
     tools = llama_cpp_toolchain(cfg)
@@ -333,7 +359,7 @@ def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: s
         print(f"[{name}] llama.cpp by hand ...", file=sys.stderr, flush=True)
         hand = by_hand(ckpt, tools, cfg.core_python, root / "llama", windows, threads)
         print(f"[{name}] quantyard convert ...", file=sys.stderr, flush=True)
-        qy = quantyard(ckpt, cfg, root / "quantyard", windows, threads, reference)
+        qy = quantyard(ckpt, cfg, root / "quantyard", windows, threads, reference, eval_jobs)
     return tables(f"{name} ({ckpt}), Quantyard's reference: {reference}", windows, hand, qy, reference)
 
 
@@ -344,6 +370,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--reference", choices=("llama.cpp", "transformers"), default="llama.cpp",
                     help="Quantyard's reference engine (default llama.cpp: the F16 GGUF, as by hand)")
+    ap.add_argument("--eval-jobs", type=int, default=1,
+                    help="Quantyard's --eval-jobs (default 1: one after another, as by hand; 0: all at once)")
     ap.add_argument("--out", type=Path, default=None, help="also write the tables, with a header, here")
     args = ap.parse_args()
     load = os.getloadavg()
@@ -351,7 +379,7 @@ def main() -> None:
     parts = [header(sys.argv, load, args.threads)]
     print(parts[0] + "\n", flush=True)
     for name in args.model or ["demo", "real"]:
-        parts.append(run_model(name, cfg, args.windows, args.threads, args.reference))
+        parts.append(run_model(name, cfg, args.windows, args.threads, args.reference, args.eval_jobs))
         print(parts[-1] + "\n", flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,11 +30,15 @@ class EngineInfo:
     pool: Pool = "gpu"  # where its evaluations run in a distributed run, unless the recipe says otherwise
     tool_envs: tuple[str, ...] = ()  # managed tool environments (pipeline/envs.py) its runner runs in
     tool_locks: tuple[str, ...] = ()  # lock files (relative to the repository) of tools that are not envs
+    #: Its evaluation is one CPU process that takes Settings.threads and holds about its files' size in memory,
+    #: so several can run at once with the threads split between them (flows/schedule.py).
+    cpu_shared: bool = False
 
 
 ENGINES: dict[Engine, EngineInfo] = {
     Engine.LLAMA_CPP: EngineInfo(Engine.LLAMA_CPP, "evaluators.llamacpp.evaluator:LlamaCppEvaluator",
-                                 server="evaluators.llamacpp.server:plan", pool="cpu", tool_locks=(LLAMA_CPP_LOCK,)),
+                                 server="evaluators.llamacpp.server:plan", pool="cpu", tool_locks=(LLAMA_CPP_LOCK,),
+                                 cpu_shared=True),
     Engine.VLLM: EngineInfo(Engine.VLLM, "evaluators.vllm.evaluator:VLLMEvaluator",
                             server="evaluators.vllm.server:plan", tool_envs=("vllm",)),
     Engine.TRANSFORMERS: EngineInfo(Engine.TRANSFORMERS,

@@ -12,7 +12,8 @@ work of one stage and say what they made in a typed output model (below), record
 (``flows/ledger.py``) under the stage's key. Two executors run the same graph, the same bodies and the
 same ledger:
 
-* embedded (``flows/quantize.py``, ``quantyard convert``): every stage in this process, one after the other;
+* embedded (``flows/quantize.py``, ``quantyard convert``): every stage in this process, in this order (the
+  llama.cpp evaluations of a run without speed several at once: flows/schedule.py);
 * distributed (``flows/orchestrate.py``, ``quantyard orchestrate``): every stage a Prefect deployment run
   on the work pool its placement names, in parallel where the graph allows.
 
@@ -284,6 +285,7 @@ class StageOutcome(BaseModel):
     flow_run_id: str | None = None
     work_pool: str | None = None
     dispatch_s: float | None = None
+    start_s: float | None = None  # when it started, in seconds after the first stage of the run (embedded)
 
     def outputs(self) -> Any:
         """The record's typed outputs (see :data:`OUTPUTS`); None when the stage did not finish."""

@@ -1,6 +1,8 @@
 """The embedded executor (``quantyard convert``, ``make demo``): the stage graph of flows/graph.py, every
-stage run in this process, one after the other, through the same stage bodies and the same stage ledger as
-the distributed executor (flows/orchestrate.py).
+stage run in this process, in the graph's order, through the same stage bodies and the same stage ledger as
+the distributed executor (flows/orchestrate.py). Stages run one after the other, except a run of llama.cpp
+evaluations without speed measurement: those run at once, the threads split between them, as far as
+memory allows (flows/schedule.py says why and when; the report records the schedule).
 
 Re-running is cheap by construction: a stage whose key is in the ledger is reused without running (a
 variant whose build key is already registered is reused by its build stage even without a ledger record),
@@ -14,15 +16,22 @@ starts.
 
 from __future__ import annotations
 
+import contextvars
+import queue
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
+import psutil  # type: ignore[import-untyped]
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
+from evaluators.engines import engine_info
 from flows import steps
 from flows.graph import Graph, StageOutcome, StageRequest, build_graph, decide, publish, report
 from flows.ledger import StageRecord, pinned_input
+from flows.schedule import EvalSchedule, plan_evaluations
 from flows.stages import BODIES, SOURCE_STAGES, InProcess, run_stage
 from pipeline.config import Settings
 from pipeline.errors import DiskFullError, QuantyardError
@@ -48,6 +57,12 @@ def _run(reg: Registry, graph: Graph, name: str, outcomes: dict[str, StageOutcom
     settled, request = decide(reg, graph, name, outcomes)
     if settled is not None:
         return settled
+    return _execute(request, here)
+
+
+def _execute(request: StageRequest, here: InProcess) -> StageOutcome:
+    """Run one decided stage here: its outcome (``failed`` with the error for a stage whose failure does not
+    stop the run)."""
     t0 = time.perf_counter()
     try:
         with stage(request.stage, request.variant or request.fmt or ""):
@@ -58,8 +73,62 @@ def _run(reg: Registry, graph: Graph, name: str, outcomes: dict[str, StageOutcom
         if request.stage in SOURCE_STAGES:
             raise  # the source or a format's preparation of it failed: nothing of this run can be built
         return request.outcome("failed", error=exc.summary(), error_type=type(exc).__name__,
-                               dispatch_s=time.perf_counter() - t0)
-    return request.outcome("ran", record=record, dispatch_s=time.perf_counter() - t0)
+                               dispatch_s=time.perf_counter() - t0, start_s=t0 - here.started)
+    return request.outcome("ran", record=record, dispatch_s=time.perf_counter() - t0, start_s=t0 - here.started)
+
+
+def _shares_cpu(request: StageRequest) -> bool:
+    return request.stage == "evaluate" and request.engine is not None and engine_info(request.engine).cpu_shared
+
+
+def _run_together(reg: Registry, graph: Graph, names: list[str], outcomes: dict[str, StageOutcome],
+                  here: InProcess) -> EvalSchedule | None:
+    """Consecutive evaluations on an engine that shares the CPU: decide each, then run those to run as
+    :func:`~flows.schedule.plan_evaluations` says (several at once, each with its share of the threads).
+    Returns the schedule, None when nothing had to run."""
+    todo: list[StageRequest] = []
+    for name in names:
+        settled, request = decide(reg, graph, name, outcomes)
+        if settled is not None:
+            outcomes[name] = settled
+        else:
+            todo.append(request)
+    if not todo:
+        return None
+    sizes = [reg.get_version(outcomes[graph.nodes[r.name].deps[0]].outputs().ref).size for r in todo]
+    plan = todo[0].plan
+    schedule = plan_evaluations(sizes, threads=here.settings.threads, jobs=here.settings.eval_jobs,
+                                speed=plan.eval.speed.enabled, mem_available=psutil.virtual_memory().available,
+                                engine=str(todo[0].engine))
+    if schedule.at_once == 1:
+        for request in todo:
+            outcomes[request.name] = _execute(request, here)
+        return schedule
+    here.flush(reg)  # nothing is pending after the builds; written here, never from two threads at once
+    slots: queue.Queue[int] = queue.Queue()
+    for threads in schedule.threads:
+        slots.put(threads)
+
+    def one(request: StageRequest) -> StageOutcome:
+        threads = slots.get()
+        try:
+            return _execute(request, replace(here, settings=here.settings.model_copy(update={"threads": threads})))
+        finally:
+            slots.put(threads)
+
+    with ThreadPoolExecutor(max_workers=schedule.at_once, thread_name_prefix="quantyard-eval") as pool:
+        # each in a copy of this context: the stage task runs inside this flow run, as Prefect's own
+        # thread-pool task runner does it
+        futures = [(r.name, pool.submit(contextvars.copy_context().run, one, r)) for r in todo]
+        errors: list[BaseException] = []
+        for name, future in futures:
+            try:
+                outcomes[name] = future.result()
+            except BaseException as exc:  # re-raised below, once every evaluation has ended
+                errors.append(exc)
+    if errors:
+        raise errors[0]
+    return schedule
 
 
 @flow(name="quantyard-convert", log_prints=True)
@@ -78,9 +147,21 @@ def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
     graph = build_graph(plan, source.identity, Placement(), {"registry": settings.registry, "blobs": settings.blobs},
                         nonce=uuid.uuid4().hex if plan.force else None)
     outcomes: dict[str, StageOutcome] = {}
-    for name in graph.nodes:
-        outcomes[name] = _run(reg, graph, name, outcomes, here)
+    schedule: EvalSchedule | None = None
+    names = list(graph.nodes)
+    i = 0
+    while i < len(names):
+        j = i
+        while j < len(names) and _shares_cpu(graph.nodes[names[j]].request):
+            j += 1
+        if j - i > 1:
+            schedule = _run_together(reg, graph, names[i:j], outcomes, here) or schedule
+            i = j
+        else:
+            outcomes[names[i]] = _run(reg, graph, names[i], outcomes, here)
+            i += 1
     out = report(plan, source, graph, outcomes, reg)
+    out.eval_schedule = schedule.as_dict() if schedule is not None else None
     out.wall_s = time.perf_counter() - t0
     publish(out)
     return out

@@ -75,6 +75,7 @@ class InProcess:
     #: only when a later stage starts: a source that fails its checks or its preparation (bad input) leaves
     #: the registry exactly as it was.
     pending: list[tuple[StageRequest, StageRecord, Who]] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)  # the run's start (StageOutcome.start_s)
 
     def flush(self, reg: Registry) -> None:
         """Write the pending records (a preparation's shared files first, into the blob store)."""

@@ -47,6 +47,11 @@ class Settings(BaseSettings):
     work_dir: Path | None = Field(default=None,
                                   description="Intermediate files (F16 bases, staging). Default: CACHE_DIR/work")
     threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    eval_jobs: int = Field(default=1, ge=0,
+                           description="llama.cpp evaluations an embedded run (quantyard convert) runs at once when "
+                                       "no speed is measured, the threads split between them: 1 = one after another "
+                                       "(the default: all at once measured no faster on 2 cores), 0 = all of them "
+                                       "as far as memory allows, N = at most N (flows/schedule.py).")
     env_jobs: int = Field(default=2, ge=1, description="Tool environments `quantyard env ensure` builds at once "
                                                      "(each is its own venv and pip process).")
     llama_cpp_tools: Path | None = Field(

@@ -124,11 +124,15 @@ class ConvertReport(BaseModel):
     wall_s: float = 0.0
     stage_s: dict[str, float] = Field(default_factory=dict)
     #: One entry per stage of the run's graph (flows/graph.py): stage, pool, key, status (ran | reused |
-    #: failed | skipped | not_needed), error, error_type, flow_run_id, work_pool, work_s, wall_s, dispatch_s, deps.
+    #: failed | skipped | not_needed), error, error_type, flow_run_id, work_pool, work_s, wall_s, dispatch_s,
+    #: start_s, deps.
     stages: list[dict[str, Any]] = Field(default_factory=list)
     #: True when every stage was reused from the stage ledger and the run was decided before Prefect started
     #: (flows/reuse.py): no flow run, no Prefect table artifacts.
     ledger_only: bool = False
+    #: How the embedded executor ran the evaluations that share the CPU (flows/schedule.py EvalSchedule:
+    #: evaluations, at_once, threads per slot, reason); None when none had to run.
+    eval_schedule: dict[str, Any] | None = None
 
     def count(self, event: str) -> int:
         return sum(1 for e in self.events if e == event or e.startswith(event + ":"))

@@ -158,6 +158,8 @@ def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
         console.print(results_table(f"{report.model}  ({report.wall_s:.1f} s)", table_rows(report.variants), caption))
         if report.ledger_only:
             console.print("every stage reused from the stage ledger: decided without starting Prefect")
+        if report.eval_schedule and report.eval_schedule["evaluations"] > 1:
+            console.print(f"evaluations: {report.eval_schedule['reason']}")
         note = _source_note(report.source)
         if note:
             console.print(f"[yellow]note[/]: {note}")

@@ -129,6 +129,10 @@ class RunFlags:
     force: Annotated[bool, typer.Option(
         help="Build and register new versions even if identical ones exist.")] = False
     threads: Annotated[int | None, typer.Option(help="CPU threads for tools and engines.")] = None
+    eval_jobs: Annotated[int | None, typer.Option(
+        help="llama.cpp evaluations run at once when no speed is measured, the threads split between them: "
+             "1 = one after another (default), 0 = all of them as far as memory allows, N = at most N.",
+        min=0)] = None
     recipe: Annotated[Path | None, typer.Option(
         help="Recipe YAML (source, formats, eval, policy): see docs/operations.md. Variant and evaluation flags "
              "do not apply.")] = None
@@ -142,7 +146,7 @@ FLAG_ORDER = (
     "revision", "registry", "force", "eval_text", "eval_dataset", "window", "stride", "score_from", "max_windows",
     "top_k", "kld", "reference_engine", "reference_dtype", "reference_device", "no_eval", "no_speed", "serving",
     "serving_users", "serving_requests",
-    "threads", "allow_pickle", "trust_remote_code", "imatrix", "calibration",
+    "threads", "eval_jobs", "allow_pickle", "trust_remote_code", "imatrix", "calibration",
     "imatrix_chunks", "split_max_size", "gguf_base", "allow_tokenizer_mismatch", "recipe", "as_json",
 )
 
@@ -152,10 +156,11 @@ FLAG_ORDER = (
 def convert(source: SourceFlags, variants: VariantFlags, gguf_build: GGUFFlags, evaluation: EvalFlags,
             run: RunFlags) -> None:
     """Convert SOURCE into GGUF / AWQ / EXL2 variants, evaluate them and register them."""
+    cfg = settings(run.registry, threads=run.threads, eval_jobs=run.eval_jobs)
     if run.recipe is not None:
-        return convert_recipe(run.recipe, source.source, settings(run.registry, threads=run.threads), run.as_json)
+        return convert_recipe(run.recipe, source.source, cfg, run.as_json)
     plan = plan_from_options(source, variants, gguf_build, evaluation, force=run.force)
-    run_plan(plan, settings(run.registry, threads=run.threads), run.as_json)
+    run_plan(plan, cfg, run.as_json)
 
 
 def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: GGUFFlags, evaluation: EvalFlags,

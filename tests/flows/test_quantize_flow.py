@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from gguf import GGUFReader
 from typer.testing import CliRunner
 
@@ -18,6 +19,7 @@ from pipeline.cli import app
 from pipeline.config import Settings
 from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
 from registry import open_registry
+from tests.conftest import DEMO_GGUF_TYPES, DEMO_WINDOWS
 
 FAST_EVAL = EvalSpec(max_windows=12, speed=SpeedSpec(enabled=False))
 
@@ -151,3 +153,39 @@ def test_dataset_spec_parsing() -> None:
     assert parse_dataset_spec("x:cfg:train:content") == ("x", "cfg", "train", "content")
     with pytest.raises(ConfigError):
         parse_dataset_spec("justaname")
+
+
+def _most_at_once(spans: list[tuple[float, float]]) -> int:
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_evaluations_at_once_give_the_numbers_of_one_after_another(
+        demo_model: Path, demo_registry_template: dict, settings: Settings, prefect_harness: None) -> None:
+    """The template measured speed, so its evaluations ran one after another on both threads; three of its
+    variants without speed and with ``eval_jobs=0`` run all at once on one thread each (flows/schedule.py),
+    and every quality figure is the same: the schedule changes the wall time, not the numbers."""
+    template = demo_registry_template["report"]
+    assert template.eval_schedule["at_once"] == 1 and "speed is measured" in template.eval_schedule["reason"]
+    types = [t for t in DEMO_GGUF_TYPES if t != "F16"]
+    plan = _plan(demo_model, ",".join(types), eval=EvalSpec(max_windows=DEMO_WINDOWS, speed=SpeedSpec(enabled=False)))
+    report = convert_flow(plan, settings.model_copy(update={"eval_jobs": 0}))
+    assert report.ok and report.count("evaluate") == len(types) == 3
+    schedule = report.eval_schedule
+    assert (schedule["evaluations"], schedule["at_once"], schedule["threads"]) == (3, 3, [1] * 3), schedule
+    evals = [e for e in report.stages if e["stage"].startswith("evaluate:")]
+    spans = [(e["start_s"], e["start_s"] + e["dispatch_s"]) for e in evals]
+    assert len(spans) == 3 and _most_at_once(spans) == 3, spans
+    reg = open_registry(settings.registry)
+    before = {v.variant: v for v in template.variants}
+    for v in report.variants:
+        (quality,) = [r for r in reg.get_version(v.ref or "").results if r.kind == "quality"]
+        assert quality.hardware["threads"] == 1
+        old = before[v.variant].quality or {}
+        assert v.quality is not None and v.window_set_id == before[v.variant].window_set_id
+        for key in ("ppl", "nll_mean", "kld_mean", "kld_p99", "top1_agreement", "n_tokens"):
+            assert v.quality[key] == pytest.approx(old[key], rel=1e-9, abs=1e-12), (v.variant, key)
