@@ -16,7 +16,8 @@ like llama-perplexity (the second half of each 512-token chunk: Quantyard's ``--
   with a fresh registry, cache dir and work dir (so the source is hashed, the F16 base converted and the
   reference computed afresh; only the toolchains, i.e. the llama.cpp build and the tool environments, are
   shared). Per-step times are the stage times its JSON report records (ConvertReport.stages, ``dispatch_s``);
-  the source hashing runs before the stage graph and is timed by a progress listener the child process
+  the source's resolution (hashing, loading, checks) runs before the stage graph, while Prefect's embedded
+  server starts (flows/reuse.py), and is timed by a progress listener the child process
   installs before it calls the same CLI entry point. As by hand, the F16 is the base (Quantyard's prepare
   stage) and, with the llama.cpp reference, the reference model too; it is not registered as a variant (add
   ``F16`` to ``--gguf`` for that: then it is built, registered and evaluated like the others, in rows of its own).
@@ -24,9 +25,11 @@ like llama-perplexity (the second half of each 512-token chunk: Quantyard's ``--
 Columns of the step table: ``step``; ``llama.cpp s``: seconds of that step by hand ("—": no such step);
 ``quantyard s``: seconds of the matching stages; ``what Quantyard's step holds``: what its time includes
 beyond the llama.cpp tool (e.g. a build also reads the output back and checks tokenizer parity). Two rows
-hold the rest of Quantyard's time: ``other, in the flow`` (its report's wall time minus its stages: opening the
-registry, building the graph, the ledger, the report) and ``other, outside the flow`` (the command's wall time
-minus its report's: interpreter start, imports, Prefect's embedded server, printing the JSON). The llama.cpp
+hold the rest of Quantyard's time: ``other, in the run`` (its report's wall time, which starts when the run
+is decided and holds the source's resolution, minus its stages: opening the registry, building the graph, the
+ledger, the report, and waiting for Prefect's embedded server where it is not up when the source is resolved)
+and ``other, outside the run`` (the command's wall time minus its report's: interpreter start, imports,
+deciding from the ledger, stopping Prefect's embedded server, printing the JSON). The llama.cpp
 column has no such rows: its whole command is the sum of its steps. The last row is each whole command, and
 the ratio Quantyard / llama.cpp. By hand, the evaluations run one after another, as the commands are typed;
 so do Quantyard's by default. With ``--eval-jobs 0`` Quantyard runs them all at once, the threads split
@@ -90,7 +93,7 @@ class Way:
 
     steps: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0
-    flow_s: float = 0.0  # Quantyard: the flow's own wall time (its report's wall_s)
+    flow_s: float = 0.0  # Quantyard: the run's wall time (its report's wall_s: resolution and flow)
     #: Quantyard: how its evaluations ran (ConvertReport.eval_schedule) and their wall time, first start to
     #: last end (with several at once, less than the sum of their own times)
     schedule: dict[str, object] | None = None
@@ -280,8 +283,9 @@ def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
     if together:
         staged += (qy.eval_wall_s or 0.0) - _sum(q, "evaluate:")
     rows += [
-        ("other, in the flow", None, qy.flow_s - staged, "registry, sweep, graph, ledger, report"),
-        ("other, outside the flow", None, outside, "interpreter, imports, Prefect's embedded server, JSON"),
+        ("other, in the run", None, qy.flow_s - staged,
+         "registry, sweep, graph, ledger, report, waiting for Prefect's embedded server"),
+        ("other, outside the run", None, outside, "interpreter, imports, stopping Prefect's embedded server, JSON"),
     ]
     return rows
 

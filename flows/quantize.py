@@ -138,12 +138,17 @@ def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
     reg = open_registry(settings)  # a bad registry location fails before any work is done
     steps.sweep_stale(settings)
     plan = steps.resolve_backends(plan, settings)
-    with stage("resolve", plan.source.source):
-        # resolved and validated once, with every format's checks, before any stage runs (fail fast); from
-        # the plan as given, so that the lineage keeps the revision asked for (main) next to its commit
-        here = InProcess(settings=settings, resolved=resolve_task(plan, settings))
-        source = here.resolved.source
-        plan = plan.model_copy(update={"source": pinned_input(plan.source, source)})
+    # resolved and validated once, with every format's checks, before any stage runs (fail fast); from the
+    # plan as given, so that the lineage keeps the revision asked for (main) next to its commit. The CLI's
+    # run resolved it already, while this flow's server started (flows/reuse.py): then that is used.
+    early = steps.take_preresolved(plan, settings)
+    if early is not None:
+        here = InProcess(settings=settings, resolved=early)
+    else:
+        with stage("resolve", plan.source.source):
+            here = InProcess(settings=settings, resolved=resolve_task(plan, settings))
+    source = here.resolved.source
+    plan = plan.model_copy(update={"source": pinned_input(plan.source, source)})
     graph = build_graph(plan, source.identity, Placement(), {"registry": settings.registry, "blobs": settings.blobs},
                         nonce=uuid.uuid4().hex if plan.force else None)
     outcomes: dict[str, StageOutcome] = {}

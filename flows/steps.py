@@ -62,6 +62,34 @@ def default_model_name(source: SourceRef) -> str:
     return cleaned
 
 
+#: Sources resolved before their flow started (:func:`preresolve`), each taken once by :func:`take_preresolved`.
+_PRERESOLVED: dict[tuple[str, str], Resolved] = {}
+
+
+def _resolve_key(plan: Plan, settings: Settings) -> tuple[str, str]:
+    # canonical JSON: a flow's parameters arrive validated again, their dicts not always in the same order
+    return tuple(json.dumps(m.model_dump(mode="json"), sort_keys=True) for m in (plan, settings))  # type: ignore[return-value]
+
+
+def preresolve(plan: Plan, settings: Settings) -> Resolved:
+    """:func:`resolve` now, kept for the next :func:`take_preresolved` of the same plan and settings: the
+    embedded run (flows/reuse.py) resolves the source while Prefect's embedded server starts. Raises what
+    :func:`resolve` raises, keeping nothing."""
+    resolved = resolve(plan, settings)
+    _PRERESOLVED[_resolve_key(plan, settings)] = resolved
+    return resolved
+
+
+def take_preresolved(plan: Plan, settings: Settings) -> Resolved | None:
+    """The source :func:`preresolve` resolved for this plan and settings, once; None if there is none."""
+    return _PRERESOLVED.pop(_resolve_key(plan, settings), None)
+
+
+def forget_preresolved() -> None:
+    """Drop every source resolved ahead and not taken (a run that ended before its flow took it)."""
+    _PRERESOLVED.clear()
+
+
 def resolve(plan: Plan, settings: Settings) -> Resolved:
     """Resolve and validate the source, then let every requested format check it (fail fast)."""
     src = resolve_source(plan.source.source, revision=plan.source.revision, cache_dir=settings.cache_dir,

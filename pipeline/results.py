@@ -121,6 +121,8 @@ class ConvertReport(BaseModel):
     reference: dict[str, Any] | None = None
     variants: list[VariantOutcome] = Field(default_factory=list)
     events: list[str] = Field(default_factory=list)
+    #: The run's wall time: the flow's, or from deciding to run (resolving the source, starting Prefect's
+    #: embedded server: flows/reuse.py) to the flow's end.
     wall_s: float = 0.0
     stage_s: dict[str, float] = Field(default_factory=dict)
     #: One entry per stage of the run's graph (flows/graph.py): stage, pool, key, status (ran | reused |

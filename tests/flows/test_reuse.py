@@ -102,6 +102,9 @@ def test_a_rerun_starts_no_engine_no_conversion_no_evaluation_and_no_flow_run(
     assert first.count("convert_base") == first.count("quantize") == first.count("evaluate") == 1
     assert any("evaluators.llamacpp.runner" in s for s in finished.spawned)
     assert {(e.stage, e.phase) for e in finished.progress} >= {("build", "start"), ("evaluate", "start")}
+    # resolved once, before the flow (flows/reuse.py: while an embedded server would start), not again in it
+    resolving = [e.phase for e in finished.progress if e.stage == "resolve" and e.detail == str(demo_model)]
+    assert resolving == ["start", "done"]
     runs, registry = _flow_runs(), registry_snapshot(Path(cfg.registry))
     progress: list[Event] = []
     with spawns() as spawned, listening(progress.append):
@@ -136,6 +139,53 @@ def test_work_to_do_goes_to_the_flow(finished: First, demo_model: Path) -> None:
     assert settled_report(_plan(demo_model, "Q8_0,Q4_K_M"), cfg) is None
     # a source that is not there: the flow says so in its own words
     assert settled_report(_plan(demo_model.parent / "no-such-checkpoint"), cfg) is None
+
+
+def test_a_source_that_fails_its_checks_stops_before_the_flow(finished: First, tmp_path: Path) -> None:
+    from flows import steps
+    from pipeline.errors import QuantyardError
+
+    cfg = finished.settings
+    empty = tmp_path / "not-a-checkpoint"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    runs, registry = _flow_runs(), registry_snapshot(Path(cfg.registry))
+    with pytest.raises(QuantyardError):
+        convert(_plan(empty), cfg)
+    assert _flow_runs() == runs and registry_snapshot(Path(cfg.registry)) == registry
+    assert steps._PRERESOLVED == {}
+
+
+def _servers_of(home: Path) -> list[int]:
+    """Processes whose environment names this PREFECT_HOME (Prefect's embedded server inherits it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                env = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if f"PREFECT_HOME={home}".encode() in env.split(b"\0"):
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_cli_run_without_a_server_starts_the_embedded_one_alongside_resolving(
+        demo_model: Path, cache_dir: Path, tmp_path: Path) -> None:
+    """``quantyard convert`` with no PREFECT_API_URL (``make demo``): Prefect's embedded server starts in a
+    thread while the source is resolved (flows/reuse.py), the flow runs on it, and nothing is left running."""
+    home = tmp_path / "prefect"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(PREFECT_HOME=str(home), QUANTYARD_WORK_DIR=str(tmp_path / "work"), QUANTYARD_CACHE_DIR=str(cache_dir))
+    args = ["convert", str(demo_model), "--gguf", "Q8_0", "--no-eval", "--registry", str(tmp_path / "registry")]
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args, "--json"], capture_output=True, text=True,
+                          env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert not report["ledger_only"] and report["variants"][0]["status"] == "registered"
+    assert [s["status"] for s in report["stages"]] == ["ran"] * len(report["stages"])
+    assert (home / "prefect.db").is_file()  # the embedded server's database: the flow ran on that server
+    assert _servers_of(home) == []
 
 
 def test_a_cli_rerun_imports_no_prefect_and_says_so(finished: First, demo_model: Path) -> None:
