@@ -66,9 +66,13 @@ def default_model_name(source: SourceRef) -> str:
 _PRERESOLVED: dict[tuple[str, str], Resolved] = {}
 
 
+def _canonical(model: Plan | Settings) -> str:
+    return json.dumps(model.model_dump(mode="json"), sort_keys=True)
+
+
 def _resolve_key(plan: Plan, settings: Settings) -> tuple[str, str]:
-    # canonical JSON: a flow's parameters arrive validated again, their dicts not always in the same order
-    return tuple(json.dumps(m.model_dump(mode="json"), sort_keys=True) for m in (plan, settings))  # type: ignore[return-value]
+    # by value, not identity: the flow receives its parameters as Prefect validated them, as new objects
+    return _canonical(plan), _canonical(settings)
 
 
 def preresolve(plan: Plan, settings: Settings) -> Resolved:
