@@ -15,8 +15,17 @@ per-request deadline (``QUANTYARD_REQUEST_TIMEOUT_S``): a line arriving after it
 :class:`TimeoutError`; GuideLLM's read timeout (the backend's ``timeout``) covers a server that sends nothing.
 
 The runner (``evaluators.serving.guidellm_runner``) installs it under GuideLLM's ``openai_http`` name, so the
-report still says ``openai_http``. GuideLLM pickles the backend into spawned worker processes, which import
-this module by name (hence a module of its own, not the runner's ``__main__``).
+report still says ``openai_http``.
+
+:func:`install` also mends a race in GuideLLM 0.8.1's Poisson schedule (``AsyncPoissonStrategy``): its
+``init_processes_start`` sets the shared start time, which releases the waiting workers, and only then sets
+the shared arrival offset from its initial ``-1.0``. A worker that wakes in between schedules from -1 s
+(Unix time), so every arrival of the level is long past and the whole level goes out at once: seen in CI as
+16 requests in 0.03 s at 1.5/s, with ``targeted_start`` near 0, which ``load.check_paced`` rejected. The
+mended method sets the offset first, then the start time.
+
+GuideLLM pickles the backend into spawned worker processes, which import this module by name (hence a module
+of its own, not the runner's ``__main__``).
 """
 
 from __future__ import annotations
@@ -73,8 +82,24 @@ class RecordingBackend(OpenAIHTTPBackend):
         return handler, arguments, kwargs
 
 
+def poisson_start_offset_first(strategy: Any, start_time: float) -> None:
+    """``AsyncPoissonStrategy.init_processes_start`` with its two writes in the safe order: the arrival offset,
+    then the start time that releases the workers (see the module docstring)."""
+    from guidellm.scheduler.strategies import ThroughputStrategy
+
+    if strategy._offset is None:
+        raise RuntimeError("AsyncPoissonStrategy._offset is None: init_processes_timings was not called")
+    with strategy._offset.get_lock():
+        strategy._offset.value = start_time
+    ThroughputStrategy.init_processes_start(strategy, start_time)
+
+
 def install() -> None:
-    """Make GuideLLM's ``openai_http`` backend kind create :class:`RecordingBackend`."""
+    """Make GuideLLM's ``openai_http`` backend kind create :class:`RecordingBackend`, and order the Poisson
+    schedule's start (:func:`poisson_start_offset_first`)."""
+    from guidellm.scheduler.strategies import AsyncPoissonStrategy
+
+    AsyncPoissonStrategy.init_processes_start = poisson_start_offset_first
     registry = Backend.registry
     if registry is None or "openai_http" not in registry:
         raise RuntimeError("guidellm has no 'openai_http' backend to replace (a changed guidellm version?)")
