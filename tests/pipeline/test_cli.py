@@ -102,6 +102,38 @@ def test_console_script_exit_codes(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "RegistryPathError" in bad.stderr
 
 
+LEAVE = """\
+import atexit, sys, threading, time
+from pathlib import Path
+from pipeline.cli import leave
+out = Path(sys.argv[1])
+atexit.register(lambda: out.with_suffix(".atexit").write_text("ran"))
+if sys.argv[2] == "thread":  # a non-daemon thread still running: a normal exit, which waits for it
+    threading.Thread(target=lambda: (time.sleep(0.5), out.with_suffix(".thread").write_text("done"))).start()
+sys.stdout.write("x" * 1_000_000)  # more than a pipe holds: flushed before the process ends
+code = sys.argv[3]
+leave(int(code) if code.isdigit() else code)
+"""
+
+
+@pytest.mark.parametrize(("code", "status"), [("0", 0), ("3", 3), ("a message", 1)])
+@pytest.mark.parametrize("mode", ["plain", "thread"])
+def test_leaving_keeps_the_exit_status_the_output_and_the_exit_handlers(tmp_path: Path, code: str, status: int,
+                                                                        mode: str) -> None:
+    """``leave`` skips the interpreter's teardown but not what a finished command needs: the status (a message
+    goes to stderr with status 1, as sys.exit does), all of stdout through a pipe, every atexit handler, and a
+    non-daemon thread still running is waited for."""
+    out = tmp_path / "mark"
+    res = subprocess.run([sys.executable, "-c", LEAVE, str(out), mode, code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=60)
+    assert res.returncode == status, res.stderr
+    assert len(res.stdout) == 1_000_000
+    assert out.with_suffix(".atexit").read_text() == "ran"
+    assert ("a message" in res.stderr) == (code == "a message")
+    if mode == "thread":
+        assert out.with_suffix(".thread").read_text() == "done"
+
+
 def test_pull_verifies(tmp_path: Path, demo_registry: Path) -> None:
     result = CliRunner().invoke(app, ["pull", "demo/Q8_0@1", str(tmp_path / "out"), "--registry", str(demo_registry)])
     assert result.exit_code == 0, result.output
