@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -141,6 +141,25 @@ def demo_registry(tmp_path: Path, demo_registry_template: dict[str, object]) -> 
     dest = tmp_path / "demo-registry"
     shutil.copytree(demo_registry_template["registry"], dest, symlinks=True)  # type: ignore[arg-type]
     return dest
+
+
+def procs_where(name: str, test: Callable[[bytes], bool]) -> list[int]:
+    """Processes, other than this one, whose /proc/PID/``name`` (``cmdline``, ``environ``) passes ``test``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                data = (entry / name).read_bytes()
+            except OSError:
+                continue
+            if test(data):
+                pids.append(int(entry.name))
+    return pids
+
+
+def pids_with(needle: bytes, any_of: tuple[bytes, ...] = (b"",)) -> list[int]:
+    """Processes whose command line holds ``needle`` and one of ``any_of``."""
+    return procs_where("cmdline", lambda cmd: needle in cmd and any(m in cmd for m in any_of))
 
 
 def registry_snapshot(root: Path) -> tuple[str, list[tuple[str, int]]]:

@@ -21,6 +21,7 @@ from pipeline.errors import EngineError
 from pipeline.plan import EvalSpec, SpeedSpec
 from pipeline.specs import Engine
 from registry import open_registry
+from tests.conftest import pids_with
 
 
 def _quality(registry: Path, variant: str) -> dict:
@@ -97,16 +98,7 @@ def test_variant_against_itself_is_exactly_zero(tmp_path: Path, demo_registry_te
 
 
 def _runner_pids() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"evaluators.llamacpp.runner" in cmdline:
-                pids.append(int(entry.name))
-    return pids
+    return pids_with(b"evaluators.llamacpp.runner")
 
 
 def test_sigkill_of_runner_gives_engine_error(tmp_path: Path, demo_registry_template: dict,

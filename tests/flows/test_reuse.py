@@ -27,7 +27,7 @@ from pipeline.config import Settings
 from pipeline.plan import Plan
 from pipeline.progress import Event, listening
 from pipeline.results import ConvertReport
-from tests.conftest import make_settings, registry_snapshot
+from tests.conftest import make_settings, procs_where, registry_snapshot
 
 #: The small convert, as CLI flags (the CLI test) and as the plan they make (the others).
 FLAGS = ("--gguf", "Q8_0", "--max-windows", "4", "--no-speed", "--threads", "2")
@@ -158,16 +158,7 @@ def test_a_source_that_fails_its_checks_stops_before_the_flow(finished: First, t
 
 def _servers_of(home: Path) -> list[int]:
     """Processes whose environment names this PREFECT_HOME (Prefect's embedded server inherits it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                env = (entry / "environ").read_bytes()
-            except OSError:
-                continue
-            if f"PREFECT_HOME={home}".encode() in env.split(b"\0"):
-                found.append(int(entry.name))
-    return found
+    return procs_where("environ", lambda env: f"PREFECT_HOME={home}".encode() in env.split(b"\0"))
 
 
 def test_a_cli_run_without_a_server_starts_the_embedded_one_alongside_resolving(

@@ -25,7 +25,7 @@ from flows.serving import serve_version
 from pipeline.plan import ServingSpec
 from pipeline.serving import ServingMetrics
 from registry import open_registry
-from tests.conftest import make_settings
+from tests.conftest import make_settings, pids_with
 from tests.registry.web.server import serving as serving_app
 from tests.registry.web.test_browser import browser  # noqa: F401  # the fixture
 
@@ -89,16 +89,7 @@ def test_the_results_are_in_the_registry_and_on_the_model_page(served: dict[str,
 
 
 def _server_pids(marker: bytes, markers: tuple[bytes, ...] = SERVER_MARKERS) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if marker in cmdline and any(m in cmdline for m in markers):
-                pids.append(int(entry.name))
-    return pids
+    return pids_with(marker, markers)
 
 
 def _load_groups(marker: bytes) -> set[int]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from registry import open_registry
+from tests.conftest import procs_where
 
 TYPES = "Q8_0,Q4_K_M"
 # every engine's runner runs as `python -m evaluators.<engine>.runner`
@@ -36,15 +37,7 @@ def _children_matching(marker: bytes, tag: str) -> list[int]:
 
 def _tagged(tag: str) -> list[int]:
     """Processes whose environment carries this test's tag (the CLI and everything it started)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"QUANTYARD_TEST_TAG={tag}".encode() in (entry / "environ").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
+    return procs_where("environ", lambda env: f"QUANTYARD_TEST_TAG={tag}".encode() in env)
 
 
 def _env(tmp: Path) -> dict[str, str]:
