@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline.cpu import cpu_flags
+
 VERSION = "0.3.36"
 # The tools (llama-quantize, llama-imatrix, llama-perplexity...) and llama-server, which a sub-project build
 # leaves out by default. The server's web UI is off: its prebuilt assets would be downloaded from Hugging Face
@@ -125,12 +127,7 @@ def amx_choice(cpuinfo: str | None = None, env: dict[str, str] | None = None) ->
     want = environ.get("QUANTYARD_LLAMA_AMX", "auto").strip().lower()
     if want not in ("auto", "on", "off"):
         raise SystemExit(f"QUANTYARD_LLAMA_AMX must be auto, on or off; found {want!r}")
-    try:
-        info = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
-    except OSError:
-        info = ""
-    m = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
-    has_amx = bool(m and {"amx_tile", "amx_int8"} & set(m.group(1).split()))
+    has_amx = "amx_tile" in cpu_flags(cpuinfo).split()  # every AMX CPU has the tile unit
     if not has_amx:
         return "absent", "this CPU has no AMX"
     if want == "on":
