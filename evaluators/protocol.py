@@ -106,7 +106,7 @@ def encode_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def decode_rows(codes: np.ndarray, lo: np.ndarray, step: np.ndarray) -> np.ndarray:
     """The stored log-probs, up to a constant per row (float32 [n, V]; -inf where the code is 0)."""
-    a = np.asarray(codes, dtype=np.float32) - np.float32(1.0)
+    a = np.subtract(np.asarray(codes), np.float32(1.0), dtype=np.float32)  # cast and shift in one pass
     a *= np.asarray(step, dtype=np.float32)[:, None]
     a += np.asarray(lo, dtype=np.float32)[:, None]
     if a.size and int(np.asarray(codes).min()) == 0:
@@ -125,20 +125,34 @@ def kld_rows(x: np.ndarray, codes: np.ndarray, lo: np.ndarray, step: np.ndarray)
     Exponentials in float32, sums in float64: a uniform relative error of the float32 ``exp`` cancels
     between the two ``log Z``, and the ratio is that of the same rounded weights.
     """
-    a = decode_rows(codes, lo, step)
     b = np.asarray(x, dtype=np.float32)
     b = b - b.max(axis=1, keepdims=True)
-    ea = np.exp(a)
-    with np.errstate(invalid="ignore"):  # -inf - -inf where both mask a token: handled below
-        d = np.subtract(a, b, out=a)
-    if not np.isfinite(d).all():  # -inf in the reference (P = 0): no term; -inf in the engine only: +inf
-        d[ea == 0] = 0.0
-    d *= ea
-    s = d.sum(axis=1, dtype=np.float64)
-    za = ea.sum(axis=1, dtype=np.float64)
+    part = kld_reference_part(b, codes, lo, step)
     np.exp(b, out=b)
-    zb = b.sum(axis=1, dtype=np.float64)
-    return np.maximum(s / za - np.log(za) + np.log(zb), 0.0)
+    return np.maximum(part + np.log(b.sum(axis=1, dtype=np.float64)), 0.0)
+
+
+def kld_reference_part(b: np.ndarray, codes: np.ndarray, lo: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """``Σᵢ e^{aᵢ}(aᵢ − bᵢ) / Zₐ − log Zₐ`` per row (float64 [n]) for ``b`` = the engine's logits minus their
+    row maximum (float32, left unchanged): the KL-divergence of :func:`kld_rows` is this plus ``log Z_b``, so a
+    caller that sums ``e^b`` anyway (the Collector, for the log-probs) adds it without a second pass."""
+    a = decode_rows(codes, lo, step)
+    ea = np.exp(a)
+    with np.errstate(invalid="ignore"):  # -inf in the reference (P = 0) gives NaN terms, redone below
+        d = np.subtract(a, b, out=a)
+        d *= ea
+    s = d.sum(axis=1, dtype=np.float64)
+    bad = np.flatnonzero(np.isnan(s))
+    if len(bad):  # rows where the reference masks a token: it adds no term there (-inf in the engine only: +inf)
+        e_bad = ea[bad]
+        with np.errstate(invalid="ignore"):
+            d_bad = decode_rows(np.asarray(codes)[bad], np.asarray(lo)[bad], np.asarray(step)[bad]) - b[bad]
+        d_bad[e_bad == 0] = 0.0
+        d_bad *= e_bad
+        s[bad] = d_bad.sum(axis=1, dtype=np.float64)
+    za = ea.sum(axis=1, dtype=np.float64)
+    result: np.ndarray = s / za - np.log(za)
+    return result
 
 
 def npz_member(path: Path, name: str) -> np.memmap:
@@ -354,9 +368,13 @@ class Collector:
             # exp in float32, accumulated in float64: measured on the demo's logits, the log-probs agree with
             # an all-float64 computation to 2e-16 relative, at half the cost.
             m = x.max(axis=1)
-            e = np.subtract(x, m[:, None])
-            np.exp(e, out=e)
-            lse = m.astype(np.float64) + np.log(e.sum(axis=1, dtype=np.float64))
+            b = np.subtract(x, m[:, None])
+            if self.kld == "full":  # the exact KLD shares b and its Σ e^b with the log-probs (kld_rows' terms)
+                assert self.reference is not None
+                ref_part = kld_reference_part(b, *self.reference.rows(pos, pos + n))
+            np.exp(b, out=b)
+            zb = b.sum(axis=1, dtype=np.float64)
+            lse = m.astype(np.float64) + np.log(zb)
         out = {"target_logprob": x[np.arange(n), targets].astype(np.float64) - lse,
                "top1": np.argmax(x, axis=1).astype(np.int32)}
         if self.own_topk:
@@ -370,7 +388,9 @@ class Collector:
             out["tail_logprob"] = _log_rest(topk_lp)
         if self.store_full is not None:
             out["full_codes"], out["full_lo"], out["full_step"] = encode_rows(x)
-        if self.kld == "full":
+        if self.kld == "full" and not normalised:
+            out["kld"] = np.maximum(ref_part + np.log(zb), 0.0)
+        elif self.kld == "full":
             assert self.reference is not None
             out["kld"] = kld_rows(x, *self.reference.rows(pos, pos + n))
         elif self.kld == "topk":

@@ -142,6 +142,24 @@ def test_exact_kld_matches_the_float64_definition(tmp_path: Path, noise: float) 
     assert np.all(np.abs(got - exact) <= step * np.sqrt(2 * exact) + 1e-7)
 
 
+def test_the_collectors_exact_kld_is_kld_rows_to_the_bit(tmp_path: Path) -> None:
+    """The Collector shares x − max x and Σ e^(x − max x) between the log-probs and the KLD; the KLD it gets is
+    kld_rows' exactly, masked tokens (-inf, an infinite KLD where only the variant masks) included."""
+    rng = np.random.default_rng(9)
+    pl, ql = _llm_like_logits(rng, 260, 3000, 0.1)
+    pl[3, 5] = -np.inf  # the reference masks a token: no term
+    ql[4, 7] = -np.inf  # the variant alone masks one: infinite
+    pl[10, 9] = ql[10, 9] = -np.inf  # both mask the same token: no term
+    pl[11, 1] = ql[11, 2] = -np.inf  # each masks another: infinite
+    targets = rng.integers(0, 3000, 260)
+    ref = _reference_file(tmp_path, pl, targets)
+    col = Collector(8, ref)
+    col.add_rows(ql, targets)
+    got = np.concatenate(col.parts["kld"])
+    assert np.array_equal(got, kld_rows(ql, *ref.rows(0, 260)))
+    assert np.isinf(got[[4, 11]]).all() and np.isfinite(np.delete(got, [4, 11])).all()
+
+
 def test_exact_kld_of_a_reference_against_itself_is_its_rounding_only(tmp_path: Path) -> None:
     rng = np.random.default_rng(4)
     pl, _ = _llm_like_logits(rng, 50, 3000, 0.0)
