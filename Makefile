@@ -7,6 +7,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+CORE   := $(VENV)/.quantyard-core
 STAMP  := $(VENV)/.quantyard-setup
 PIP    := $(BIN)/python -m pip
 
@@ -16,10 +17,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch comes from the local CPU build (pip install torch==2.13.0 takes it from disk here);
-# everything else is pinned by requirements/core.lock.
-$(STAMP): $(BIN)/python pyproject.toml requirements/core.lock requirements/llama-cpp.lock scripts/bootstrap_llama_cpp.py
+# everything else is pinned by requirements/core.lock. Then llama-cpp-python, built once per CPU and cached.
+$(CORE): $(BIN)/python pyproject.toml requirements/core.lock
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -c requirements/core.lock -e '.[dev]'
+	touch $@
+
+$(STAMP): $(CORE) requirements/llama-cpp.lock scripts/bootstrap_llama_cpp.py
 	$(BIN)/python scripts/bootstrap_llama_cpp.py $(BIN)/python
 	touch $@
 
@@ -50,8 +54,13 @@ browser:
 	@bash scripts/install_chromium.sh
 
 # Only what the demo uses: no PostgreSQL, no browser, no AutoAWQ.
-demo: $(STAMP)
-	$(BIN)/quantyard env ensure $(DEMO_ENVS)
+# The tool environments (pip: downloads and unpacking) are built while llama.cpp compiles; make waits for
+# both and stops if either failed.
+demo: $(CORE)
+	@$(BIN)/quantyard env ensure $(DEMO_ENVS) & envs=$$!; \
+	$(MAKE) --no-print-directory $(STAMP); built=$$?; \
+	wait $$envs; ready=$$?; \
+	test $$built -eq 0 && test $$ready -eq 0
 	$(BIN)/quantyard demo
 
 test: setup
