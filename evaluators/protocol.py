@@ -91,17 +91,26 @@ def encode_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Logits (or log-probs: only differences matter) [n, V] → (codes uint16 [n, V], lo float32 [n],
     step float32 [n]); see :data:`FULL_RANGE`."""
     y = np.asarray(x, dtype=np.float32)
-    y = y - y.max(axis=1, keepdims=True)
-    finite = np.isfinite(y)
-    low = np.where(finite, y, 0.0).min(axis=1)
+    y = y - y.max(axis=1, keepdims=True)  # a new array: the steps below work in place on it
+    low = y.min(axis=1)
+    masked = np.flatnonzero(~np.isfinite(low))  # rows holding -inf (or NaN): their lowest finite value instead
+    finite = np.isfinite(y[masked])
+    if len(masked):
+        low[masked] = np.where(finite, y[masked], 0.0).min(axis=1)
     lo = np.maximum(low, -FULL_RANGE).astype(np.float32)
     step = (-lo / FULL_STEPS).astype(np.float32)
     inv = np.divide(1.0, step, out=np.zeros_like(step), where=step > 0)
     with np.errstate(invalid="ignore"):
-        codes = np.rint((y - lo[:, None]) * inv[:, None]) + 1.0
-    np.clip(codes, 1.0, FULL_STEPS + 1.0, out=codes)
-    codes[~finite] = 0.0
-    return codes.astype(np.uint16), lo, step
+        y -= lo[:, None]
+        y *= inv[:, None]
+        np.rint(y, out=y)
+        y += 1.0
+    np.clip(y, 1.0, FULL_STEPS + 1.0, out=y)
+    if len(masked):
+        rows = y[masked]
+        rows[~finite] = 0.0
+        y[masked] = rows
+    return y.astype(np.uint16), lo, step
 
 
 def decode_rows(codes: np.ndarray, lo: np.ndarray, step: np.ndarray) -> np.ndarray:
