@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from evaluators.metrics import compare
+from evaluators.protocol import window_sizes
 from evaluators.speed import SHAPE_KEYS, resolve_shape
 from pipeline.config import Settings
 from pipeline.errors import EngineError
@@ -116,12 +117,6 @@ def load_arrays(path: Path) -> dict[str, np.ndarray]:
     """Every array of a runner's npz but the whole stored distribution (see ``FULL_MEMBERS``)."""
     with np.load(path, allow_pickle=False) as z:
         return {k: z[k] for k in z.files if k not in FULL_MEMBERS}
-
-
-def window_sizes(windows: Path) -> np.ndarray:
-    """Scored positions per window of a window file (what the window bootstrap resamples)."""
-    with np.load(windows, allow_pickle=False) as z:
-        return (int(z["ids"].shape[1]) - z["score_start"].astype(np.int64)).astype(np.int64)
 
 
 def quality_request(reference: Path, spec: EvalSpec) -> dict[str, Any]:

@@ -66,10 +66,11 @@ def load_windows(path: str) -> tuple[np.ndarray, np.ndarray]:
         return z["ids"].astype(np.int64), z["score_start"].astype(np.int64)
 
 
-def scored_rows(path: str) -> int:
-    """Positions a window file scores: the sum over its windows of (window length − first scored index)."""
-    with np.load(path, allow_pickle=False) as z:
-        return int((int(z["ids"].shape[1]) - z["score_start"].astype(np.int64)).sum())
+def window_sizes(windows: str | Path) -> np.ndarray:
+    """Scored positions per window of a window file (what the window bootstrap resamples; their sum is the
+    number of positions a run scores)."""
+    with np.load(windows, allow_pickle=False) as z:
+        return (int(z["ids"].shape[1]) - z["score_start"].astype(np.int64)).astype(np.int64)
 
 
 # --- the reference's whole distribution -----------------------------------------------------------------
@@ -255,8 +256,8 @@ class Collector:
     ``reference``: what a variant is scored against (None for the reference itself). ``kld``: ``full``
     (exact, needs the reference's stored distribution) or ``topk`` (the log-probs at the reference's top-K
     ids, for the top-K lower bound). ``store_full``: where the whole distribution goes (the reference
-    runner). With ``rows``, the number of positions the run will add (:func:`scored_rows` of its window
-    file), it streams straight into the ``full_codes`` member of ``logprobs.npz`` (written next to
+    runner). With ``rows``, the number of positions the run will add (the sum of :func:`window_sizes` of its
+    window file), it streams straight into the ``full_codes`` member of ``logprobs.npz`` (written next to
     ``store_full`` and renamed into place by :meth:`save`), so the distribution is written once; without
     it, into the scratch file ``store_full``, which :meth:`save` copies into ``logprobs.npz`` (at 1.6 GB
     that copy took about 4 s on 2 cores).
@@ -295,7 +296,7 @@ class Collector:
         ``store_full``; ``ref_topk`` is read as ``reference``)."""
         path = req.get("reference") or req.get("ref_topk")
         store = Path(req["out_dir"]) / "full_codes.u16" if req.get("store_full") else None
-        rows = scored_rows(req["windows"]) if store is not None and req.get("windows") else None
+        rows = int(window_sizes(req["windows"]).sum()) if store is not None and req.get("windows") else None
         return cls(int(req["top_k"]), Reference(path) if path else None, req.get("own_topk"),
                    str(req.get("kld") or "full"), store, rows)
 
