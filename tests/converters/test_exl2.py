@@ -64,6 +64,7 @@ def _by_name(report: Any) -> dict[str, Any]:
     return {v.variant: v for v in report.variants}
 
 
+@pytest.mark.slow
 def test_demo_to_exl2_is_measured_once_built_registered_and_evaluated(exl2_demo: dict[str, Any]) -> None:  # noqa: F811
     report = exl2_demo["report"]
     assert report.ok and report.count("measure") == 1 and report.count("quantize") == len(BPWS) + 1  # + Q8_0

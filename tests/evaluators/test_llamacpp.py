@@ -97,8 +97,9 @@ def test_variant_against_itself_is_exactly_zero(tmp_path: Path, demo_registry_te
     assert np.array_equal(ref["target_logprob"], load_arrays(second.arrays)["target_logprob"])
 
 
-def _runner_pids() -> list[int]:
-    return pids_with(b"evaluators.llamacpp.runner")
+def _runner_pids(tmp_path: Path) -> list[int]:
+    """This test's llama.cpp runners (their request file is under its tmp_path), not another worker's."""
+    return pids_with(b"evaluators.llamacpp.runner", (str(tmp_path).encode(),))
 
 
 def test_sigkill_of_runner_gives_engine_error(tmp_path: Path, demo_registry_template: dict,
@@ -110,7 +111,7 @@ def test_sigkill_of_runner_gives_engine_error(tmp_path: Path, demo_registry_temp
 
     def killer() -> None:
         while not stop.is_set():
-            for pid in _runner_pids():
+            for pid in _runner_pids(tmp_path):
                 os.kill(pid, signal.SIGKILL)
                 return
             time.sleep(0.02)

@@ -29,9 +29,32 @@ def _plan(demo: Path, types: str, **kw: object) -> Plan:
                 eval=kw.pop("eval", FAST_EVAL), **kw)  # type: ignore[arg-type]
 
 
+def _results_tables() -> dict[str, list[dict]]:
+    """The ``quantyard-results-demo`` table artifacts on this session's Prefect server, by artifact id."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read() -> list:
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["quantyard-results-demo"])))
+
+    artifacts = asyncio.run(read())
+    assert all(a.type == "table" for a in artifacts)
+    return {str(a.id): json.loads(a.data) if isinstance(a.data, str) else a.data for a in artifacts}
+
+
 def test_convert_twice_end_to_end(demo_model: Path, settings: Settings, prefect_harness: None) -> None:
+    """Two variants converted, evaluated, registered and published as the flow's results table (a Prefect
+    table artifact); the same command again reuses everything."""
+    before = _results_tables()
     report = convert_flow(_plan(demo_model, "Q8_0,Q4_K_M"), settings)
     assert report.ok and report.count("convert_base") == 1 and report.count("quantize") == 2
+    published = [rows for key, rows in _results_tables().items() if key not in before]
+    assert len(published) == 1 and sorted(r["variant"] for r in published[0]) == ["Q4_K_M", "Q8_0"], published
+    assert all(r["ppl"] and r["kld"] is not None for r in published[0])
     reg = open_registry(settings.registry)
     variants = reg.list_variants("demo")
     assert sorted(v.name for v in variants) == ["Q4_K_M", "Q8_0"]
@@ -77,19 +100,21 @@ def test_reference_reused_by_new_variant_and_force_makes_new_version(demo_model:
     assert forced.count("reference") == 0
 
 
-def _kill_runner_for(model_marker: str, stop: threading.Event) -> None:
+def _kill_runner_for(model_marker: str, work: Path, stop: threading.Event) -> None:
+    """SIGKILL the llama.cpp runner evaluating ``model_marker`` in this test's work folder (another test's
+    runners, on another xdist worker, are left alone)."""
     while not stop.is_set():
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
                 args = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
+                if b"evaluators.llamacpp.runner" not in args:
+                    continue
+                request = json.loads(Path(args[-2].decode()).read_text())
+            except (OSError, ValueError):
                 continue
-            if b"evaluators.llamacpp.runner" not in args:
-                continue
-            request = json.loads(Path(args[-2].decode()).read_text())
-            if model_marker in request["model"]:
+            if model_marker in request["model"] and request["out_dir"].startswith(str(work)):
                 os.kill(int(entry.name), signal.SIGKILL)
                 return
         time.sleep(0.02)
@@ -97,7 +122,7 @@ def _kill_runner_for(model_marker: str, stop: threading.Event) -> None:
 
 def test_killed_runner_fails_only_its_variant(demo_model: Path, settings: Settings, prefect_harness: None) -> None:
     stop = threading.Event()
-    killer = threading.Thread(target=_kill_runner_for, args=("-Q8_0.gguf", stop), daemon=True)
+    killer = threading.Thread(target=_kill_runner_for, args=("-Q8_0.gguf", settings.work_dir, stop), daemon=True)
     killer.start()
     try:
         report = convert_flow(_plan(demo_model, "Q8_0,Q4_K_M,Q2_K"), settings)
@@ -114,32 +139,6 @@ def test_killed_runner_fails_only_its_variant(demo_model: Path, settings: Settin
     # a re-run evaluates only what is missing
     rerun = convert_flow(_plan(demo_model, "Q8_0,Q4_K_M,Q2_K"), settings)
     assert rerun.count("evaluate") == 1 and rerun.count("quantize") == 0
-
-
-def test_flow_publishes_results_table_artifact(demo_registry_template: dict) -> None:
-    import asyncio
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-
-    async def read() -> list:
-        async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["quantyard-results-demo"])))
-
-    artifacts = asyncio.run(read())
-    assert artifacts and all(a.type == "table" for a in artifacts)
-
-    def rows_of(artifact: object) -> list[dict]:
-        data = artifact.data  # type: ignore[attr-defined]
-        return json.loads(data) if isinstance(data, str) else data
-
-    # Later flows in the same session publish under the same key: find this run's table by its variants.
-    expected = {v.variant for v in demo_registry_template["report"].variants}
-    assert {"F16", "Q8_0", "Q4_K_M", "Q2_K"} <= expected
-    tables = [rows_of(a) for a in artifacts if {r["variant"] for r in rows_of(a)} == expected]
-    assert tables, f"no results table with variants {sorted(expected)}"
-    assert all(r["ppl"] and r["kld"] is not None for r in tables[0])
 
 
 def test_dataset_spec_parsing() -> None:

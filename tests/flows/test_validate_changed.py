@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from junitparser import JUnitXml
 
 from registry import open_registry
@@ -19,6 +20,7 @@ def _git(repo: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
 
 
+@pytest.mark.slow
 def test_validate_changed_quants(tmp_path: Path, demo_registry: Path, demo_model: Path) -> None:
     repo = tmp_path / "quants"
     repo.mkdir()
