@@ -255,12 +255,11 @@ class Collector:
 
     ``reference``: what a variant is scored against (None for the reference itself). ``kld``: ``full``
     (exact, needs the reference's stored distribution) or ``topk`` (the log-probs at the reference's top-K
-    ids, for the top-K lower bound). ``store_full``: where the whole distribution goes (the reference
-    runner). With ``rows``, the number of positions the run will add (the sum of :func:`window_sizes` of its
-    window file), it streams straight into the ``full_codes`` member of ``logprobs.npz`` (written next to
-    ``store_full`` and renamed into place by :meth:`save`), so the distribution is written once; without
-    it, into the scratch file ``store_full``, which :meth:`save` copies into ``logprobs.npz`` (at 1.6 GB
-    that copy took about 4 s on 2 cores).
+    ids, for the top-K lower bound). ``store_full`` (the reference runner): the folder whose
+    ``logprobs.npz`` keeps the whole distribution, with ``rows`` the number of positions the run will add
+    (the sum of :func:`window_sizes` of its window file). The codes stream straight into the npz's
+    ``full_codes`` member, in a partial file that :meth:`save` completes and renames into place, so the
+    distribution (1.6 GB for 64 windows of a 49k vocabulary) is written once and never copied.
     """
 
     def __init__(self, top_k: int, reference: Reference | np.ndarray | None, own_topk: bool | None = None,
@@ -280,6 +279,9 @@ class Collector:
         if self.kld == "topk" and self.ref_ids is None:
             raise SystemExit("kld=topk needs the reference's top-K ids (topk_ids)")
         self.own_topk = reference is None if own_topk is None else own_topk
+        if store_full is not None and rows is None:
+            raise SystemExit("store_full needs the number of positions the run adds (rows: the sum of the window "
+                             "set's window_sizes), to write the stored distribution's header before its data")
         self.store_full = store_full
         self.rows = rows if store_full is not None else None
         self._full_fh: IO[bytes] | None = None
@@ -295,8 +297,11 @@ class Collector:
         """The Collector a runner's request asks for (keys ``reference``, ``kld``, ``top_k``, ``own_topk``,
         ``store_full``; ``ref_topk`` is read as ``reference``)."""
         path = req.get("reference") or req.get("ref_topk")
-        store = Path(req["out_dir"]) / "full_codes.u16" if req.get("store_full") else None
-        rows = int(window_sizes(req["windows"]).sum()) if store is not None and req.get("windows") else None
+        store = Path(req["out_dir"]) if req.get("store_full") else None
+        if store is not None and not req.get("windows"):
+            raise SystemExit("store_full needs the request's windows (the window file) to know how many positions "
+                             "the stored distribution holds")
+        rows = int(window_sizes(req["windows"]).sum()) if store is not None else None
         return cls(int(req["top_k"]), Reference(path) if path else None, req.get("own_topk"),
                    str(req.get("kld") or "full"), store, rows)
 
@@ -352,14 +357,12 @@ class Collector:
 
     def _partial_npz(self) -> Path:
         assert self.store_full is not None
-        return self.store_full.with_name(f"logprobs.npz.{os.getpid()}.partial")
+        return self.store_full / f"logprobs.npz.{os.getpid()}.partial"
 
     def _open_full(self, vocab: int) -> IO[bytes]:
-        """Where the codes go: the ``full_codes`` member of the npz when the row count is known (its .npy
-        header needs the shape first), else the scratch file."""
-        assert self.store_full is not None
-        if self.rows is None:
-            return self.store_full.open("wb")
+        """Where the codes go: the ``full_codes`` member of the partial npz (its .npy header holds the shape,
+        hence the row count first)."""
+        assert self.store_full is not None and self.rows is not None
         self._npz = zipfile.ZipFile(self._partial_npz(), "w", zipfile.ZIP_STORED, allowZip64=True)
         member = self._npz.open("full_codes.npy", "w", force_zip64=True)
         np.lib.format.write_array_header_1_0(member, {"descr": "<u2", "fortran_order": False,
@@ -415,22 +418,16 @@ class Collector:
         of positions."""
         # Any: np.savez's stub types **kwds against its allow_pickle: bool too; the keys are the fixed names above.
         arrays: dict[str, Any] = {k: np.concatenate(v) for k, v in self.parts.items() if v}
-        if self._npz is not None:
+        if self.store_full is not None:
             return self._finish_npz(out_dir, arrays)
-        if self.store_full is not None:
-            if self._full_fh is not None:
-                self._full_fh.close()
-            shape = (self.cursor, self.vocab or 0)
-            arrays["full_codes"] = np.memmap(self.store_full, dtype="<u2", mode="r", shape=shape)
         with atomic_path(out_dir / "logprobs.npz") as tmp, tmp.open("wb") as fh:  # a file object: no .npz added
-            np.savez(fh, **arrays)  # stored, not compressed: full_codes stays memory-mappable
-        if self.store_full is not None:
-            del arrays["full_codes"]
-            self.store_full.unlink(missing_ok=True)
+            np.savez(fh, **arrays)
         return self.cursor
 
     def _finish_npz(self, out_dir: Path, arrays: dict[str, np.ndarray]) -> int:
         """Close the streamed ``full_codes`` member, add the other arrays, and move the npz into place."""
+        if self._npz is None:  # no row was added
+            self._full_fh = self._open_full(0)
         assert self._npz is not None and self._full_fh is not None
         self._full_fh.close()
         if self.cursor != self.rows:

@@ -118,7 +118,7 @@ def _llm_like_logits(rng: np.random.Generator, n: int, v: int, noise: float) -> 
 
 
 def _reference_file(tmp_path: Path, logits: np.ndarray, targets: np.ndarray, k: int = 8) -> Reference:
-    col = Collector(k, None, store_full=tmp_path / "full.u16")
+    col = Collector(k, None, store_full=tmp_path, rows=len(logits))
     col.add_rows(logits, targets)
     col.save(tmp_path)
     return Reference(tmp_path / "logprobs.npz")
@@ -181,40 +181,46 @@ def test_the_reference_is_stored_uncompressed_and_read_in_place(tmp_path: Path) 
     assert (tmp_path / "logprobs.npz").stat().st_size < 40 * 700 * 2 + 40 * (8 + 8 * 4 + 8 + 8 + 4) + 4096
 
 
-def test_a_known_row_count_streams_the_distribution_into_the_npz_once(tmp_path: Path) -> None:
-    """With the row count (the reference runner knows it from its window file) the codes go straight into
-    the npz, added block by block; the file holds the same arrays as the scratch-file path, with no scratch
-    file or partial npz left, and a run that adds fewer or more rows than announced fails instead of
-    writing a distribution its header misstates."""
+def test_the_distribution_streams_into_the_npz_once(tmp_path: Path) -> None:
+    """The reference runner knows its row count (from its window file), so the codes go straight into the npz,
+    block by block: the file holds encode_rows' codes of every row and the same other arrays as a collector
+    that stores nothing, with no partial file left; a run that adds fewer or more rows than announced fails
+    instead of writing a distribution its header misstates, and a stored distribution without a row count is
+    refused."""
     rng = np.random.default_rng(8)
     pl, _ = _llm_like_logits(rng, 300, 900, 0.0)
     targets = rng.integers(0, 900, 300)
     outs = {}
-    for name, rows in (("copied", None), ("streamed", 300)):
+    for name, store in (("plain", False), ("streamed", True)):
         d = tmp_path / name
         d.mkdir()
-        col = Collector(8, None, store_full=d / "full.u16", rows=rows)
+        col = Collector(8, None, store_full=d if store else None, rows=300 if store else None)
         for a in range(0, 300, 70):  # several add_rows calls, each of several blocks
             col.add_rows(pl[a:a + 70], targets[a:a + 70])
         assert col.save(d) == 300
         assert sorted(p.name for p in d.iterdir()) == ["logprobs.npz"]
         with np.load(d / "logprobs.npz") as z:
             outs[name] = {k: z[k] for k in z.files}
-        ref = Reference(d / "logprobs.npz")
-        assert isinstance(ref.codes, np.memmap) and ref.codes.shape == (300, 900)
-    assert outs["copied"].keys() == outs["streamed"].keys()
-    for key, value in outs["copied"].items():
-        assert np.array_equal(value, outs["streamed"][key]), key
+    ref = Reference(tmp_path / "streamed" / "logprobs.npz")
+    assert isinstance(ref.codes, np.memmap) and ref.codes.shape == (300, 900)
+    streamed = outs["streamed"]
+    for key, expected in zip(("full_codes", "full_lo", "full_step"), encode_rows(pl.copy()), strict=True):
+        assert np.array_equal(streamed.pop(key), expected), key
+    assert streamed.keys() == outs["plain"].keys()
+    for key, value in outs["plain"].items():
+        assert np.array_equal(value, streamed[key]), key
     for added, match in ((299, "299 positions added, the window set scores 300"), (301, "more than the 300")):
         d = tmp_path / f"wrong{added}"
         d.mkdir()
-        col = Collector(8, None, store_full=d / "full.u16", rows=300)
+        col = Collector(8, None, store_full=d, rows=300)
         with pytest.raises(SystemExit, match=match):
             col.add_rows(pl[:min(added, 300)], targets[:min(added, 300)])
             if added > 300:
                 col.add_rows(pl[:1], targets[:1])
             col.save(d)
         assert not (d / "logprobs.npz").exists()
+    with pytest.raises(SystemExit, match="store_full needs the number of positions"):
+        Collector(8, None, store_full=tmp_path)
 
 
 def test_minus_infinity_logits_are_probability_zero(tmp_path: Path) -> None:
