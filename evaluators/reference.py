@@ -21,6 +21,7 @@ and every engine: :func:`reference_key` is that identity.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -44,10 +45,12 @@ LLAMA_CPP_RUNNER = "evaluators.llamacpp.runner"
 STORE = "full-u16-r40-v1"
 
 
+@functools.cache
 def reference_versions(engine: str, device: str = "cpu") -> str:
     """The versions that make the reference's numbers (part of its key): the core environment's transformers
     and torch, the pinned llama-cpp-python (its llama.cpp commit is fixed by that pin), or the pins and
-    environment key of the vllm environment's build for ``device`` (evaluators.vllm.evaluator)."""
+    environment key of the vllm environment's build for ``device`` (evaluators.vllm.evaluator). Read once
+    per process: installed versions and requirement files do not change under a running pipeline."""
     if engine == "llama.cpp":
         return f"llama-cpp-python {LLAMA_CPP_VERSION}"
     if engine == "vllm":
