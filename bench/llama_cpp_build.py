@@ -24,7 +24,6 @@ import os
 import re
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import zipfile
@@ -50,26 +49,12 @@ def bootstrap() -> ModuleType:
 
 
 def build(mod: ModuleType, sdist: Path, way: str, tmp: Path) -> tuple[float, Path, list[str]]:
-    """Build the wheel ``way`` (plain | quantyard) under ``tmp``; its wall seconds, the folder it was unpacked
-    into and its tool binaries."""
-    with tarfile.open(sdist) as tar:
-        tar.extractall(tmp / "src", filter="data")
-    source = tmp / "src" / f"llama_cpp_python-{mod.VERSION}"
-    args = mod.CMAKE_ARGS
-    if way == "quantyard":
-        mod.patch_source(source / "vendor" / "llama.cpp")
-    else:
-        args = " ".join(a for a in args.split() if a != "-DCMAKE_UNITY_BUILD=ON")
-    env = dict(os.environ, CMAKE_ARGS=args, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
-    cflags = mod.compile_flags()
-    if cflags:
-        env["CFLAGS"] = f"{env.get('CFLAGS', '')} {cflags}".strip()
-        env["CXXFLAGS"] = f"{env.get('CXXFLAGS', '')} {cflags}".strip()
+    """Build the wheel ``way`` (plain | quantyard: the bootstrap's ``build_wheel``) under ``tmp``; its wall
+    seconds, the folder it was unpacked into and its tool binaries."""
+    tmp.mkdir(parents=True)
     t0 = time.perf_counter()
-    mod.run_build([sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", str(source), "-w", str(tmp / "out")],
-                  env, tmp / "build.log")
+    wheel = mod.build_wheel(sdist, tmp, sys.executable, tmp / "build.log", quantyard=way == "quantyard")
     wall = time.perf_counter() - t0
-    (wheel,) = sorted((tmp / "out").glob("*.whl"))
     unpacked = tmp / "wheel"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(unpacked)

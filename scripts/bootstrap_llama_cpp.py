@@ -236,6 +236,32 @@ def run_build(cmd: list[str], env: dict[str, str], log_path: Path) -> None:
     log(f"built in {(time.monotonic() - t0) / 60:.1f} min")
 
 
+def build_wheel(sdist: Path, tmp: Path, python: str, log_path: Path, *, quantyard: bool = True) -> Path:
+    """Unpack ``sdist`` under ``tmp`` and build its wheel there with ``python``'s pip, every core, this CPU's
+    compiler flags; returns the wheel. ``quantyard``: the build Quantyard installs (``patch_source``: the tools
+    it never runs left out; a CMake unity build); False: the sdist's own build, all tools, one compile per
+    source file (what bench/llama_cpp_build.py compares it with)."""
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp, filter="data")
+    source = tmp / f"llama_cpp_python-{VERSION}"
+    args = CMAKE_ARGS
+    if quantyard:
+        patch_source(source / "vendor" / "llama.cpp")
+    else:
+        args = " ".join(a for a in args.split() if a != "-DCMAKE_UNITY_BUILD=ON")
+    env = dict(os.environ, CMAKE_ARGS=args, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    cflags = compile_flags()
+    if cflags:
+        env["CFLAGS"] = f"{env.get('CFLAGS', '')} {cflags}".strip()
+        env["CXXFLAGS"] = f"{env.get('CXXFLAGS', '')} {cflags}".strip()
+    out = tmp / "out"
+    run_build([python, "-m", "pip", "wheel", "--no-deps", "-v", str(source), "-w", str(out)], env, log_path)
+    built = sorted(out.glob("*.whl"))
+    if len(built) != 1:
+        raise SystemExit(f"expected one wheel from the build, found {built}")
+    return built[0]
+
+
 def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
     folder = wheel_dir(cache)
     wheels = sorted(folder.glob("*.whl"))
@@ -251,24 +277,10 @@ def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
     logs = cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        source = Path(tmp) / f"llama_cpp_python-{VERSION}"
-        patch_source(source / "vendor" / "llama.cpp")
-        env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS,
-                   CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
-        if cflags:
-            env["CFLAGS"] = f"{env.get('CFLAGS', '')} {cflags}".strip()
-            env["CXXFLAGS"] = f"{env.get('CXXFLAGS', '')} {cflags}".strip()
-        out = Path(tmp) / "out"
-        run_build([venv_python, "-m", "pip", "wheel", "--no-deps", "-v", str(source), "-w", str(out)], env,
-                  logs / f"llama-cpp-python-{VERSION}-build.log")
-        built = sorted(out.glob("*.whl"))
-        if len(built) != 1:
-            raise SystemExit(f"expected one wheel from the build, found {built}")
+        built = build_wheel(sdist, Path(tmp), venv_python, logs / f"llama-cpp-python-{VERSION}-build.log")
         staged = Path(tmp) / "staged"
         staged.mkdir()
-        shutil.move(str(built[0]), staged / built[0].name)
+        shutil.move(str(built), staged / built.name)
         (staged / "build.json").write_text(json.dumps(
             {"cmake_args": CMAKE_ARGS, "cflags": cflags, "amx": amx, "amx_reason": why,
              "dropped_tools": list(DROPPED_TOOLS), "unity_skip": UNITY_SKIP}, indent=2))
