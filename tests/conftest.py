@@ -7,7 +7,7 @@
   checkpoint, evaluated on llama.cpp) into a template registry; tests get a private copy.
 * Prefect runs against a session-scoped ``prefect_test_harness`` (a real temporary server).
 * ``make test`` runs the suite on pytest-xdist workers (``-n``; see the Makefile). The expensive session
-  fixtures (the evaluated demo, AWQ and real-checkpoint registries) are built once per run, not once per
+  fixtures (the evaluated demo, AWQ, EXL2 and real-checkpoint registries) are built once per run, not once per
   worker: the first worker to ask builds it under a file lock in the run's shared temporary folder and the
   others read what it wrote (``once_per_run``). Tests that look for processes match only their own (their
   tmp_path or a tag in the command line or environment), so workers never see or kill each other's.
