@@ -33,6 +33,7 @@ from flows.graph import Graph, StageOutcome, StageRequest, build_graph, decide, 
 from flows.ledger import StageRecord, pinned_input
 from flows.schedule import EvalSchedule, plan_evaluations
 from flows.stages import BODIES, SOURCE_STAGES, InProcess, run_stage
+from pipeline import workdir
 from pipeline.config import Settings
 from pipeline.errors import DiskFullError, QuantyardError
 from pipeline.plan import Plan
@@ -133,7 +134,13 @@ def _run_together(reg: Registry, graph: Graph, names: list[str], outcomes: dict[
 
 @flow(name="quantyard-convert", log_prints=True)
 def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
-    """Convert one source into every variant of ``plan``, register and evaluate them (module docstring)."""
+    """Convert one source into every variant of ``plan``, register and evaluate them (module docstring).
+    The run holds the work folder's lease throughout (``quantyard work prune`` waits for it to end)."""
+    with workdir.lease(settings.work_root):
+        return _convert(plan, settings)
+
+
+def _convert(plan: Plan, settings: Settings) -> ConvertReport:
     t0 = time.perf_counter()
     reg = open_registry(settings)  # a bad registry location fails before any work is done
     steps.sweep_stale(settings)

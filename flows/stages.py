@@ -46,6 +46,7 @@ from flows.graph import (
     outputs_of,
 )
 from flows.ledger import StageRecord, Stopwatch, find_stage, record_stage
+from pipeline import workdir
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, StageError, ToolchainMissingError
 from pipeline.formats import format_info
@@ -152,7 +153,7 @@ def run_stage(request: StageRequest, slot: str | None, body: Body, here: InProce
     t0 = time.perf_counter()
     watch = Stopwatch()
     held = slot if request.stage in HEAVY_STAGES else None
-    with steps.scratch_dir(settings) as tmp, _slot(held):
+    with workdir.lease(settings.work_root), steps.scratch_dir(settings) as tmp, _slot(held):
         ctx = StageContext(request=request, settings=settings, reg=reg, scratch=Path(tmp), watch=watch, here=here)
         outputs, (model, architecture, source) = body(ctx)
         record = StageRecord(stage=request.name, key=request.key, pool=request.pool,

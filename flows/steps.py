@@ -341,7 +341,7 @@ def _pid_alive(pid: int) -> bool:
 def sweep_stale(settings: Settings) -> list[Path]:
     """Remove scratch folders and partial files left by killed runs (their pid is gone)."""
     removed = []
-    for kind in ("tmp", "staging"):
+    for kind in ("tmp", "staging", "serve"):
         root = settings.work_root / kind
         if not root.is_dir():
             continue

@@ -18,6 +18,7 @@ from evaluators.reference import reference_key
 from evaluators.speed import comparable
 from flows import steps
 from flows.serving_gate import check_serving
+from pipeline import workdir
 from pipeline.checks import CheckFailed, CheckSkipped, ValidationReport
 from pipeline.config import Settings
 from pipeline.errors import (
@@ -420,7 +421,7 @@ def rebuild_plan(target: Target, resolved: steps.Resolved, spec: Any, settings: 
 
 def validate(target_text: str, settings: Settings, opts: ValidateOptions) -> ValidationReport:
     """Run every check on one target. Raises typed errors (exit 2) only for unusable input."""
-    with steps.scratch_dir(settings) as tmp:
+    with workdir.lease(settings.work_root), steps.scratch_dir(settings) as tmp:
         work = Path(tmp)
         target = resolve_target(target_text, settings, opts, work)
         report = ValidationReport(target=target.label, context={"format": target.fmt, "variant": target.variant})

@@ -240,6 +240,19 @@ class DiskFullError(QuantyardError, OSError):
         )
 
 
+class WorkInUseError(QuantyardError, RuntimeError):
+    """``quantyard work prune`` found the work folder leased by a running job (pipeline/workdir.py)."""
+
+    code = "work_in_use"
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = str(root)
+        super().__init__(
+            f"the work folder {self.root} is in use: a running Quantyard job (a convert flow, a stage on a worker "
+            "or a validation) holds its lease, so nothing was pruned",
+            hint="prune again once those jobs have finished (`--dry-run` lists what would go, meanwhile)")
+
+
 class ConfigError(QuantyardError, ValueError):
     code = "config_error"
     default_hint = 'fix the setting or file named in the message'

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from converters.base import BuildContext, BuiltVariant, Calibration, Prepared
 from converters.checkpoint import Checkpoint, read_safetensors_header
-from pipeline import exl2_env
+from pipeline import exl2_env, workdir
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, ConversionError, DiskFullError, UnsupportedArchitectureError
 from pipeline.proc import ProcResult, child_env, failure_log_dir, run_logged
@@ -166,6 +166,7 @@ class EXL2Converter:
             mine = [s for s in concrete if s.backend == backend]
             folder, key = self._work(ctx, mine[0], ctx.calibration)
             folder.mkdir(parents=True, exist_ok=True)
+            workdir.mark_used(folder)
             (folder / "calibration.txt").write_text(ctx.calibration.text, encoding="utf-8")
             if backend == EXL2Backend.EXLLAMAV2:
                 calib = self._measure_exllamav2(ctx, folder, key, prepared)

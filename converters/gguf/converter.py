@@ -36,6 +36,7 @@ from converters.gguf.imatrix import ImatrixRequest, ensure_imatrix
 from converters.gguf.sanity import gguf_sanity, gguf_structure
 from converters.gguf.split import inspect_headers, inspect_parts, split_gguf
 from converters.gguf.tokenizer import check_parity, parity_key, record_parity, recorded_parity
+from pipeline import workdir
 from pipeline.config import Settings
 from pipeline.errors import (
     ConfigError,
@@ -198,6 +199,7 @@ class GGUFConverter:
             self._convert(ctx, base_type, base)
             (folder / "ok").write_text(json.dumps(inspect_gguf(base)))
             prepared.events.append("convert_base")
+        workdir.mark_used(folder)
         prepared.meta["base_info"] = _base_info(folder / "ok", base)
         if any(getattr(s, "imatrix", False) for s in specs):
             self._prepare_imatrix(ctx, prepared, base, base_type)
@@ -223,6 +225,7 @@ class GGUFConverter:
         path = ctx.settings.work_root / "calibration" / f"{text_sha256(text)}.txt"
         if not path.is_file():
             write_atomic(path, text)
+        workdir.mark_used(path)
         return path, origin
 
     def imatrix_request(self, ctx: BuildContext) -> ImatrixRequest:
@@ -342,6 +345,7 @@ class GGUFConverter:
         folder = ctx.settings.work_root / PARITY_DIR
         known = recorded_parity(folder, key)
         if known is not None:
+            workdir.mark_used(folder / f"{key}.json")
             return {**known["record"], "tokenizer_sha256": digest,
                     "checked": f"identical tokenizer metadata, checked on {known['checked_on']}"}
         record = check_parity(header.path, ctx.checkpoint.path, python=self.python, env=self.llama_cpp().env(),

@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 
-from pipeline.cli import browse, convert, demo, deploy, env, recommend, registry, serve, validate, web
+from pipeline.cli import browse, convert, demo, deploy, env, recommend, registry, serve, validate, web, work
 from pipeline.cli.common import app
 
 convert.register(app)
@@ -29,6 +29,7 @@ recommend.register(app)
 serve.register(app)
 web.register(app)
 env.register(app)
+work.register(app)
 
 
 def main() -> None:

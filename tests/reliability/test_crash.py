@@ -10,10 +10,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from pipeline import workdir
+from pipeline.errors import WorkInUseError
 from registry import open_registry
 from tests.conftest import procs_where
 
@@ -57,8 +60,9 @@ def _cmd(demo: Path, registry: Path) -> list[str]:
 
 
 def _run_and_kill(cmd: list[str], env: dict[str, str], *, child: bytes | None = None,
-                  log_line: str | None = None, timeout: float = 900) -> str:
-    """Start the CLI; SIGKILL it as soon as ``child`` runs or ``log_line`` is logged. Returns the output."""
+                  log_line: str | None = None, timeout: float = 900, at_kill: Callable[[], None] | None = None) -> str:
+    """Start the CLI; SIGKILL it as soon as ``child`` runs or ``log_line`` is logged (``at_kill`` runs just
+    before). Returns the output."""
     log = Path(env["QUANTYARD_WORK_DIR"]).parent / f"kill-{time.time_ns()}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -67,6 +71,8 @@ def _run_and_kill(cmd: list[str], env: dict[str, str], *, child: bytes | None = 
             hit = (child is not None and _children_matching(child, env["QUANTYARD_TEST_TAG"])) or \
                   (log_line is not None and log_line in log.read_text(errors="replace"))
             if hit:
+                if at_kill is not None:
+                    at_kill()
                 proc.send_signal(signal.SIGKILL)
                 break
             time.sleep(0.01)
@@ -107,9 +113,16 @@ def test_kill_at_each_stage_then_resume(tmp_path: Path, demo_model: Path, prefec
     env = _env(tmp_path)
     cmd = _cmd(demo_model, registry)
 
-    # 1. during the F16 conversion: nothing is registered (the source's stages are recorded with the first build)
-    _run_and_kill(cmd, env, child=b"convert_hf_to_gguf.py")
+    # 1. during the F16 conversion: nothing is registered (the source's stages are recorded with the first build);
+    # the running flow holds the work folder's lease (`quantyard work prune` is refused), the killed one does not
+    def prune_is_refused() -> None:
+        with pytest.raises(WorkInUseError):
+            workdir.prune(work, 0)
+
+    work = Path(env["QUANTYARD_WORK_DIR"])
+    _run_and_kill(cmd, env, child=b"convert_hf_to_gguf.py", at_kill=prune_is_refused)
     assert not (registry / "registry.db").exists() or open_registry(str(registry)).list_models() == []
+    assert workdir.prune(work, 365) == []  # the lease went with the killed process (nothing is that old)
 
     # 2. during quantization of the second type: the first is registered, the base is cached
     _run_and_kill(cmd, env, child=b"converters.gguf.workers.quantize")
