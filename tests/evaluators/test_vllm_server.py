@@ -14,14 +14,13 @@ import pytest
 
 from evaluators.serving.server import start_server
 from evaluators.serving.spec import ServerSpec
-from evaluators.vllm.evaluator import cpu_kernels
 from evaluators.vllm.runner import DEQUANTIZED, NATIVE
-from pipeline import envs
 from pipeline.config import Settings
 from pipeline.cpu import cpu_flags
 from pipeline.specs import Engine
 from registry import open_registry
 from tests.evaluators.serving.helpers import kill_a_serving_run, stream_completion, wait_gone
+from tests.vllm_support import native_kernel_here
 
 pytestmark = pytest.mark.slow
 AWQ_REF = "demo/AWQ-W4-G128-asym"
@@ -85,7 +84,7 @@ def test_vllm_server_runs_the_dequantized_replacement_in_its_engine_core(awq: Pa
     test_vllm_server_runs_this_cpus_kernel serves and checks in the engine core: forcing it starts the same
     server a second time (40 s on 2 cores) and could not fail differently."""
     settings = _settings(tmp_path, cache_dir, vllm_cpu_wna16="dequantized")
-    if not cpu_kernels(envs.python_for("vllm", settings))["cpu_gemm_wna16"]:
+    if not native_kernel_here(settings):
         pytest.skip(f"this CPU has no AVX-512 (flags: {cpu_flags()}): the dequantized replacement is the default "
                     "here, and test_vllm_server_runs_this_cpus_kernel runs and checks it in the engine core")
     spec = ServerSpec(engine=Engine.VLLM, model=awq, slots=2, context=256, start_timeout_s=400)
