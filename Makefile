@@ -54,15 +54,14 @@ browser:
 	@bash scripts/install_chromium.sh
 
 # Only what the demo uses: no PostgreSQL, no browser, no AutoAWQ.
-# The tool environments (pip: downloads and unpacking) are built while llama.cpp compiles, and the demo
-# checkpoint is trained at a lower priority (nice) in the cycles those two leave idle; make waits for all
-# three and stops if any failed. A warm run finds all three done and starts nothing heavy.
+# The tool environments (pip: downloads and unpacking) are built while llama.cpp compiles; make waits for
+# both and stops if either failed. (Training the demo checkpoint alongside, even at nice 10, made a fresh
+# make demo slower: 18 min 54 s against 14 min 30 s, bench/results/fresh_make_demo_avx2_train_overlap.txt.)
 demo: $(CORE)
 	@$(BIN)/quantyard env ensure $(DEMO_ENVS) & envs=$$!; \
-	nice -n 10 $(BIN)/quantyard demo-model & model=$$!; \
 	$(MAKE) --no-print-directory $(STAMP); built=$$?; \
-	wait $$envs; ready=$$?; wait $$model; trained=$$?; \
-	test $$built -eq 0 && test $$ready -eq 0 && test $$trained -eq 0
+	wait $$envs; ready=$$?; \
+	test $$built -eq 0 && test $$ready -eq 0
 	$(BIN)/quantyard demo
 
 # The suite runs on TEST_WORKERS pytest-xdist workers (about 40 % of a serial run's CPU time is waiting: servers
