@@ -55,8 +55,9 @@ browser:
 
 # Only what the demo uses: no PostgreSQL, no browser, no AutoAWQ.
 # The tool environments (pip: downloads and unpacking) are built while llama.cpp compiles; make waits for
-# both and stops if either failed. (Training the demo checkpoint alongside, even at nice 10, made a fresh
-# make demo slower: 18 min 54 s against 14 min 30 s, bench/results/fresh_make_demo_avx2_train_overlap.txt.)
+# both and stops if either failed. (Training the demo checkpoint alongside too, at nice 10, gained nothing: a
+# fresh make demo took 18 min 54 s that way and 19 min 8 s this way, 20 minutes apart on one VM; the build
+# slowed by what the training gained. bench/results/fresh_make_demo_avx2_train_overlap.txt)
 demo: $(CORE)
 	@$(BIN)/quantyard env ensure $(DEMO_ENVS) & envs=$$!; \
 	$(MAKE) --no-print-directory $(STAMP); built=$$?; \
