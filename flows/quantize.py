@@ -135,7 +135,7 @@ def _run_together(reg: Registry, graph: Graph, names: list[str], outcomes: dict[
 @flow(name="quantyard-convert", log_prints=True)
 def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
     """Convert one source into every variant of ``plan``, register and evaluate them (module docstring).
-    The run holds the work folder's lease throughout (``quantyard work prune`` waits for it to end)."""
+    The run holds the work folder's lease throughout (``quantyard work prune`` is refused until it ends)."""
     with workdir.lease(settings.work_root):
         return _convert(plan, settings)
 

@@ -47,7 +47,7 @@ def demo_model(dest: Annotated[Path | None, typer.Argument(
         recipe = DemoRecipe() if steps is None else DemoRecipe(steps=steps)
         cached = cached_demo_model(cfg.cache_dir, recipe, progress=_train_progress())
     kind = "real checkpoint (SmolLM2-135M-Instruct)" if real else "demo checkpoint"
-    if dest is None:  # only the cache (what `make demo` builds while llama.cpp compiles)
+    if dest is None:  # only the cache
         console.print(f"[green]✓[/] {kind} cached at {cached}")
         return
     shutil.copytree(cached, dest, dirs_exist_ok=True)
