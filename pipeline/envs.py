@@ -61,7 +61,7 @@ from typing import Any, Literal
 
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, EnvironmentBuildError, ToolchainMissingError
-from pipeline.fs import write_atomic
+from pipeline.fs import dir_size, write_atomic
 from pipeline.proc import REPO_ROOT
 
 REQUIREMENTS_DIR = REPO_ROOT / "requirements" / "envs"
@@ -369,16 +369,6 @@ def status(name: str, settings: Settings) -> dict[str, Any]:
         return {**row, "state": "missing"}
     return {**row, "state": "ready", "built_at": marker.get("built_at"), "size_bytes": dir_size(path),
             "packages": len(marker.get("freeze", []))}
-
-
-def dir_size(path: Path) -> int:
-    """Bytes under ``path`` (files only, links not followed)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, f)).st_size
-    return total
 
 
 def current_keys(spec: EnvSpec) -> set[str]:

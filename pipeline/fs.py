@@ -5,12 +5,15 @@ A reader sees the old file or the whole new one, never a partial write: the byte
 ``os.replace`` puts them in place. A killed writer leaves only its ``*.incomplete`` file (or folder), which
 ``flows.steps.sweep_stale`` removes once its pid is gone.
 
+Also :func:`dir_size`, the bytes a cached folder holds (tool environments, work-folder entries).
+
 Standard library only: workers and runners import it in foreign interpreters (``pipeline/__init__.py``
 imports nothing either).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -79,3 +82,15 @@ def write_atomic(path: Path, data: bytes | str, *, fsync: bool = True) -> Path:
 
 
 __all__ = ["atomic_path", "incomplete_path", "incomplete_pid", "replace_atomic", "write_atomic"]
+
+
+def dir_size(path: Path) -> int:
+    """Bytes under ``path`` (files only, links not followed); a file's own size when ``path`` is a file."""
+    if not path.is_dir():
+        return path.lstat().st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, f)).st_size
+    return total

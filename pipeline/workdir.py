@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import WorkInUseError
+from pipeline.fs import dir_size
 
 #: Cached kinds: folder under the work root → what one entry is.
 CACHED: dict[str, str] = {
@@ -76,17 +77,6 @@ def mark_used(path: Path) -> None:
         os.utime(path)
 
 
-def _size(path: Path) -> int:
-    if not path.is_dir():
-        return path.lstat().st_size
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, f)).st_size
-    return total
-
-
 def entries(root: Path) -> list[WorkEntry]:
     """Every cached entry under the work root ``root``, by kind then least recently used first."""
     out: list[WorkEntry] = []
@@ -98,7 +88,7 @@ def entries(root: Path) -> list[WorkEntry]:
             if ".incomplete" in path.name or path.name.startswith("."):
                 continue  # being written (or a killed writer's leftover, swept elsewhere)
             try:
-                out.append(WorkEntry(kind=kind, key=path.name.split(".", 1)[0], path=path, size_bytes=_size(path),
+                out.append(WorkEntry(kind=kind, key=path.name.split(".", 1)[0], path=path, size_bytes=dir_size(path),
                                      last_used=path.lstat().st_mtime))
             except OSError:
                 continue  # removed while listing
@@ -107,7 +97,7 @@ def entries(root: Path) -> list[WorkEntry]:
 
 def scratch_bytes(root: Path) -> int:
     """Bytes in the scratch folders (what running or killed processes hold; not pruned here)."""
-    return sum(_size(root / name) for name in SCRATCH if (root / name).is_dir())
+    return sum(dir_size(root / name) for name in SCRATCH if (root / name).is_dir())
 
 
 def _lease_file(root: Path) -> Path:
