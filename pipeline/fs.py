@@ -81,9 +81,6 @@ def write_atomic(path: Path, data: bytes | str, *, fsync: bool = True) -> Path:
     return path
 
 
-__all__ = ["atomic_path", "incomplete_path", "incomplete_pid", "replace_atomic", "write_atomic"]
-
-
 def dir_size(path: Path) -> int:
     """Bytes under ``path`` (files only, links not followed); a file's own size when ``path`` is a file."""
     if not path.is_dir():
@@ -94,3 +91,6 @@ def dir_size(path: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(root, f)).st_size
     return total
+
+
+__all__ = ["atomic_path", "dir_size", "incomplete_path", "incomplete_pid", "replace_atomic", "write_atomic"]
