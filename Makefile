@@ -27,6 +27,14 @@ $(STAMP): $(CORE) requirements/llama-cpp.lock scripts/bootstrap_llama_cpp.py
 	$(BIN)/python scripts/bootstrap_llama_cpp.py $(BIN)/python
 	touch $@
 
+# llama-cpp-python's wheel needs no venv (bootstrap_llama_cpp.py --wheel-only: pip's build isolation, a py3-none
+# wheel): where $(STAMP) is out of date, WHEEL_BG starts its build in the background before the core
+# environment installs, so that llama.cpp compiles meanwhile; WHEEL_WAIT collects its exit status; $(STAMP)
+# then installs the cached wheel. Where $(STAMP) is up to date nothing starts (a warm make demo stays ~2 s).
+WHEEL_BG   = if $(MAKE) -q $(STAMP) 2>/dev/null; then wheel=; \
+             else $(PYTHON) scripts/bootstrap_llama_cpp.py --wheel-only & wheel=$$!; fi
+WHEEL_WAIT = { test -z "$$wheel" || wait $$wheel; }
+
 # Managed tool environments (pipeline/envs.py): built once under $(QUANTYARD_CACHE_DIR)/envs, keyed by the
 # hash of requirements/envs/*.txt; a warm `quantyard env ensure` only reads their markers.
 # The demo needs llm-compressor (awq) and vLLM; the tests also AutoAWQ and GuideLLM (load generation).
@@ -37,9 +45,18 @@ TOOL_ENVS ?= awq autoawq vllm guidellm
 # real pretrained checkpoint is built from (pipeline/real_model.py), so that no test downloads anything.
 # Disk first: earlier pytest sessions' leftovers (scripts/prune_pytest_tmp.py) go before anything is installed,
 # tool environments this checkout no longer builds (older pins) before the current ones are built.
-setup: prune-tmp $(STAMP) postgres browser
-	$(BIN)/quantyard env prune
-	$(BIN)/quantyard env ensure $(TOOL_ENVS)
+# The llama.cpp compile (WHEEL_BG) runs from the start; the core environment, PostgreSQL, Chromium and the
+# tool environments install meanwhile; make waits for all of them and stops if any failed.
+setup: prune-tmp
+	@$(WHEEL_BG); \
+	if $(MAKE) --no-print-directory $(CORE) && $(BIN)/quantyard env prune; then \
+	  $(BIN)/quantyard env ensure $(TOOL_ENVS) & envs=$$!; \
+	  $(MAKE) --no-print-directory postgres browser; ready=$$?; \
+	  wait $$envs || ready=1; \
+	else ready=1; fi; \
+	$(WHEEL_WAIT); built=$$?; \
+	test $$ready -eq 0 && test $$built -eq 0
+	$(MAKE) --no-print-directory $(STAMP)
 	$(BIN)/quantyard demo-model --fetch-real
 
 prune-tmp:
@@ -54,14 +71,19 @@ browser:
 	@bash scripts/install_chromium.sh
 
 # Only what the demo uses: no PostgreSQL, no browser, no AutoAWQ.
-# The tool environments (pip: downloads and unpacking) are built while llama.cpp compiles; make waits for
-# both and stops if either failed. (Training the demo checkpoint alongside too, at nice 10, gained nothing: a
-# fresh make demo took 18 min 54 s that way and 19 min 8 s this way, 20 minutes apart on one VM; the build
-# slowed by what the training gained. bench/results/fresh_make_demo_avx2_train_overlap.txt)
-demo: $(CORE)
-	@$(BIN)/quantyard env ensure $(DEMO_ENVS) & envs=$$!; \
-	$(MAKE) --no-print-directory $(STAMP); built=$$?; \
-	wait $$envs; ready=$$?; \
+# llama.cpp compiles (WHEEL_BG) while the core environment and then the tool environments install (pip:
+# downloads and unpacking); make waits for all of them and stops if any failed. (Training the demo checkpoint
+# alongside too, at nice 10, gained nothing: a fresh make demo took 18 min 54 s that way and 19 min 8 s
+# without, 20 minutes apart on one VM; the build slowed by what the training gained.
+# bench/results/fresh_make_demo_avx2_train_overlap.txt)
+demo:
+	@$(WHEEL_BG); \
+	if $(MAKE) --no-print-directory $(CORE); then \
+	  $(BIN)/quantyard env ensure $(DEMO_ENVS) & envs=$$!; \
+	  $(WHEEL_WAIT); built=$$?; \
+	  if test $$built -eq 0; then $(MAKE) --no-print-directory $(STAMP); built=$$?; fi; \
+	  wait $$envs; ready=$$?; \
+	else $(WHEEL_WAIT); built=1; ready=1; fi; \
 	test $$built -eq 0 && test $$ready -eq 0
 	$(BIN)/quantyard demo
 

@@ -15,12 +15,18 @@ The same sdist also provides llama.cpp's own HF->GGUF converter
 extracted into the cache, never into the repository.
 
 Usage: bootstrap_llama_cpp.py VENV_PYTHON
+       bootstrap_llama_cpp.py --wheel-only
+
+--wheel-only builds (or finds) the cached wheel and installs nothing. It needs no venv: the build runs in
+pip's build isolation and the wheel is py3-none (ctypes), so any Python 3 with pip builds the same wheel.
+`make` starts it first, in the background, so that llama.cpp compiles while the core environment installs.
 
 Only the standard library is used: this runs before the venv is complete.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+# pipeline.cpu is standard-library only; with --wheel-only this runs under a Python without the project installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.cpu import cpu_flags
 
 VERSION = "0.3.36"
@@ -263,7 +271,21 @@ def build_wheel(sdist: Path, tmp: Path, python: str, log_path: Path, *, quantyar
 
 
 def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
+    """The cached wheel, built if missing. One build at a time per wheel folder (an ``flock`` beside it): a
+    second setup started meanwhile (``make demo`` in another checkout, or the install step after
+    ``--wheel-only``) waits for it and reuses the wheel."""
     folder = wheel_dir(cache)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log("another setup is building this wheel: waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure_wheel_locked(cache, sdist, venv_python, folder)
+
+
+def _ensure_wheel_locked(cache: Path, sdist: Path, venv_python: str, folder: Path) -> Path:
     wheels = sorted(folder.glob("*.whl"))
     if wheels:
         log(f"reusing cached wheel {wheels[0]}")
@@ -352,8 +374,21 @@ def ensure_converter(cache: Path, sdist: Path, venv_python: str) -> Path:
     return dest
 
 
+def wheel_only() -> int:
+    """``--wheel-only``: the cached wheel, built here if missing, with this interpreter's pip. Where this
+    Python has no pip, say so and leave the build to the install step (exit 0: nothing is lost but the overlap)."""
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode != 0:
+        log(f"{sys.executable} has no pip: the wheel will be built when the venv installs it")
+        return 0
+    cache = cache_root()
+    ensure_wheel(cache, ensure_sdist(cache), sys.executable)
+    return 0
+
+
 def main() -> None:
-    if len(sys.argv) != 2:
+    if sys.argv[1:] == ["--wheel-only"]:
+        raise SystemExit(wheel_only())
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
         raise SystemExit(__doc__)
     venv_python = sys.argv[1]
     cache = cache_root()
