@@ -66,45 +66,15 @@ def pytest_report_header(config: pytest.Config) -> str:
     return "quantyard disk: " + "; ".join(f"{k} {v}: {_free_gib(v):.1f} GiB free" for k, v in where.items())
 
 
-#: The session fixtures built by :func:`once_per_run` (tests/test_ordering.py keeps this list complete).
-SHARED_BUILDS = ("demo_registry_template", "awq_registry_template", "real_registry_template", "exl2_demo")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files holding a ``slow`` test first; files that would only wait for a shared build last.
+    """Test files holding a ``slow`` test run first, each file's tests in their own order.
 
     ``make test`` hands whole files to its xdist workers (``--dist loadfile --no-loadscope-reorder``) in this
-    order (:func:`file_order`). Each file's tests keep their own order. The order is stable, so every worker
-    collects the same list (xdist requires it)."""
-    rank = {path: i for i, path in enumerate(file_order(items))}
-    items.sort(key=lambda item: rank[item.path])
-
-
-def file_order(items: list[pytest.Item]) -> list[Path]:
-    """The order the test files run in: first the files holding a ``slow`` test, so that the long files start
-    early and the many short ones fill in behind them and both workers finish at about the same time. Within
-    each of the two groups, a file whose shared builds (:data:`SHARED_BUILDS`) are all asked for by an earlier
-    file goes to the group's end: started early, it would hold a worker idle on :func:`once_per_run`'s lock
-    while the other worker builds (measured on a cold work folder: one worker waited 685 s for the
-    real-checkpoint registry). Only to its group's end, so that the long files still start before the short."""
-    files: dict[Path, set[str]] = {}
-    slow: set[Path] = set()
-    for item in items:
-        files.setdefault(item.path, set()).update(set(SHARED_BUILDS) & set(getattr(item, "fixturenames", ())))
-        if item.get_closest_marker("slow"):
-            slow.add(item.path)
-    asked: set[str] = set()
-    order: list[Path] = []
-    for group in ([path for path in files if path in slow], [path for path in files if path not in slow]):
-        waiting = []
-        for path in group:
-            if files[path] and files[path] <= asked:
-                waiting.append(path)
-            else:
-                order.append(path)
-                asked |= files[path]
-        order += waiting
-    return order
+    order: the long files start early and the many short ones fill in behind them, so both workers finish at
+    about the same time instead of one running a long file alone at the end. The order is stable, so every
+    worker collects the same list (xdist requires it)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(scope="session")
