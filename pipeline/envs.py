@@ -52,7 +52,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -61,7 +61,7 @@ from typing import Any, Literal
 
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, EnvironmentBuildError, ToolchainMissingError
-from pipeline.fs import dir_size, write_atomic
+from pipeline.fs import dir_size, exclusive, write_atomic
 from pipeline.proc import REPO_ROOT
 
 REQUIREMENTS_DIR = REPO_ROOT / "requirements" / "envs"
@@ -337,7 +337,7 @@ def ensure_build(spec: EnvSpec, build: EnvBuild, settings: Settings, accelerator
     """Build ``spec`` with recipe ``build`` under ``settings.envs_root`` unless its marker exists."""
     path = env_dir(spec, build, settings)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path.parent / f".{path.name}.lock"):
+    with exclusive(path.parent / f".{path.name}.lock"):  # one builder per environment; a second waits, reuses
         marker = read_marker(path)
         created, events = False, []
         if marker is None:
@@ -418,16 +418,6 @@ def prune(settings: Settings, dry_run: bool = False) -> list[tuple[Path, int]]:
 
 # --- building -----------------------------------------------------------------------------------
 
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    """One builder per environment across processes (a concurrent caller waits, then reuses)."""
-    with lock_path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _install(path: Path, build: EnvBuild, progress: Progress | None = None) -> list[str]:

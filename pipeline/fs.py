@@ -14,11 +14,12 @@ imports nothing either).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -93,4 +94,22 @@ def dir_size(path: Path) -> int:
     return total
 
 
-__all__ = ["atomic_path", "dir_size", "incomplete_path", "incomplete_pid", "replace_atomic", "write_atomic"]
+@contextmanager
+def exclusive(lock_path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created if missing): one holder at a time across processes;
+    a second caller waits (calling ``on_wait`` first, to say so). A killed holder's lock goes with its process."""
+    with lock_path.open("a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+__all__ = ["atomic_path", "dir_size", "exclusive", "incomplete_path", "incomplete_pid", "replace_atomic",
+           "write_atomic"]

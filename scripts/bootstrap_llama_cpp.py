@@ -26,7 +26,6 @@ Only the standard library is used: this runs before the venv is complete.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -40,9 +39,11 @@ import tempfile
 import time
 from pathlib import Path
 
-# pipeline.cpu is standard-library only; with --wheel-only this runs under a Python without the project installed
+# pipeline.cpu and pipeline.fs are standard-library only; with --wheel-only this runs under a Python without the
+# project installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.cpu import cpu_flags
+from pipeline.fs import exclusive
 
 VERSION = "0.3.36"
 # The tools (llama-quantize, llama-imatrix, llama-perplexity...) and llama-server, which a sub-project build
@@ -276,12 +277,8 @@ def ensure_wheel(cache: Path, sdist: Path, venv_python: str) -> Path:
     ``--wheel-only``) waits for it and reuses the wheel."""
     folder = wheel_dir(cache)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log("another setup is building this wheel: waiting for it")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(folder.parent / f".{folder.name}.lock",
+                   on_wait=lambda: log("another setup is building this wheel: waiting for it")):
         return _ensure_wheel_locked(cache, sdist, venv_python, folder)
 
 
@@ -295,7 +292,6 @@ def _ensure_wheel_locked(cache: Path, sdist: Path, venv_python: str, folder: Pat
     amx, why = amx_choice()
     cflags = compile_flags()
     log(f"AMX kernels: {amx} ({why})" + (f"; CFLAGS/CXXFLAGS {cflags}" if cflags else ""))
-    folder.parent.mkdir(parents=True, exist_ok=True)
     logs = cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
