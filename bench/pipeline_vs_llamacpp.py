@@ -40,6 +40,9 @@ against its F16 GGUF; Quantyard's against the same F16 GGUF on its llama.cpp run
 transformers`` against the checkpoint in fp32, when they differ by the F16's own KLD) and top-1 agreement.
 llama.cpp's reference PPL is what ``--kl-divergence`` prints as PPL(base): computed from the 16-bit
 log-probs ``--kl-divergence-base`` stored, so it is off by their rounding.
+Below the tables, each way's CPU use while it ran (:class:`Load`): its own processes, everything else on
+the machine, and the hypervisor's steal. On a shared 2-core VM the others' share moves the ratio by several
+per cent; compare it before reading a ratio.
 
 Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real] [--windows 64] [--threads N]
 [--reference llama.cpp|transformers] [--eval-jobs 1] [--out FILE]
@@ -52,10 +55,12 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -100,6 +105,48 @@ class Way:
     eval_wall_s: float | None = None
     variants: dict[str, dict[str, float | None]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    load: Load | None = None  # what else used the CPUs while this way ran
+
+
+@dataclass
+class Load:
+    """The machine's CPU use while one way ran, from /proc/stat and this process's reaped children: the
+    way's own processes (``ours_s``, user + system), everything else that ran (``other_s``: the kernel's
+    threads, other users' processes, a VM's agents) and the time the hypervisor took away (``steal_s``), in
+    core-seconds over ``wall_s``. A way slowed by the others (on a 2-core VM, its page-reclaim thread
+    ``kdamond`` alone took 81 core-s during one 479 s Quantyard run) is slowed by them, not by itself: the
+    ratio is only as good as the two ways' ``other_s`` and ``steal_s`` are alike."""
+
+    wall_s: float
+    ours_s: float
+    other_s: float
+    steal_s: float
+
+    def text(self) -> str:
+        cores = os.cpu_count() or 1
+        share = 100 * self.other_s / (self.wall_s * cores) if self.wall_s > 0 else 0.0
+        return (f"its own processes {self.ours_s:.0f} core-s; everything else {self.other_s:.0f} core-s "
+                f"({share:.1f} % of {cores} cores over {self.wall_s:.0f} s); hypervisor steal {self.steal_s:.1f} s")
+
+
+def _cpu_now() -> tuple[float, float, float, float]:
+    """(monotonic s, busy core-s of the whole machine, steal s, this process's reaped children's core-s)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (time.monotonic(), (user + nice + system + irq + softirq) / tick, steal / tick,
+            kids.ru_utime + kids.ru_stime)
+
+
+def measured_load(run: Callable[[], Way]) -> Way:
+    """Run one way and attach the machine's CPU use meanwhile (:class:`Load`)."""
+    t0, busy0, steal0, ours0 = _cpu_now()
+    way = run()
+    t1, busy1, steal1, ours1 = _cpu_now()
+    ours = ours1 - ours0
+    way.load = Load(wall_s=t1 - t0, ours_s=ours, other_s=max(0.0, busy1 - busy0 - ours), steal_s=steal1 - steal0)
+    return way
 
 
 def checkpoint(name: str, cfg: Settings) -> Path:
@@ -327,6 +374,9 @@ def tables(model: str, windows: int, hand: Way, qy: Way, reference: str) -> str:
             f"| {fmt_num(h.get('top1_pct'), '.2f')} | {fmt_num(q['top1_pct'], '.2f')} |"
         )
     out += [""] + [f"- {n}" for n in hand.notes + qy.notes]
+    for who, way in (("llama.cpp", hand), ("Quantyard", qy)):
+        if way.load is not None:
+            out.append(f"- CPU while {who}'s way ran: {way.load.text()}")
     return "\n".join(out)
 
 
@@ -361,9 +411,9 @@ def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: s
         (root / "llama").mkdir()
         (root / "quantyard").mkdir()
         print(f"[{name}] llama.cpp by hand ...", file=sys.stderr, flush=True)
-        hand = by_hand(ckpt, tools, cfg.core_python, root / "llama", windows, threads)
+        hand = measured_load(lambda: by_hand(ckpt, tools, cfg.core_python, root / "llama", windows, threads))
         print(f"[{name}] quantyard convert ...", file=sys.stderr, flush=True)
-        qy = quantyard(ckpt, cfg, root / "quantyard", windows, threads, reference, eval_jobs)
+        qy = measured_load(lambda: quantyard(ckpt, cfg, root / "quantyard", windows, threads, reference, eval_jobs))
     return tables(f"{name} ({ckpt}), Quantyard's reference: {reference}", windows, hand, qy, reference)
 
 
