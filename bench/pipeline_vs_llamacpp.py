@@ -113,9 +113,10 @@ class Load:
     """The machine's CPU use while one way ran, from /proc/stat and this process's reaped children: the
     way's own processes (``ours_s``, user + system), everything else that ran (``other_s``: the kernel's
     threads, other users' processes, a VM's agents) and the time the hypervisor took away (``steal_s``), in
-    core-seconds over ``wall_s``. A way slowed by the others (on a 2-core VM, its page-reclaim thread
-    ``kdamond`` alone took 81 core-s during one 479 s Quantyard run) is slowed by them, not by itself: the
-    ratio is only as good as the two ways' ``other_s`` and ``steal_s`` are alike."""
+    core-seconds over ``wall_s``. A way slowed by the others or by the hypervisor is slowed by them, not by
+    itself (on a 2-core Xeon VM the hypervisor took 50.7 s from llama.cpp's way and 8.6 s from Quantyard's in
+    the same run, bench/results/pipeline_vs_llamacpp_xeon_avx512.txt): the ratio is only as good as the two
+    ways' ``other_s`` and ``steal_s`` are alike."""
 
     wall_s: float
     ours_s: float
