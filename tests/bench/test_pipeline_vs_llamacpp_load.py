@@ -4,27 +4,21 @@ load, and the wall time must cover it."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pipeline_vs_llamacpp.py"
+from tests.bench import load_script
+
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0:\n    pass\n"
 
 
 @pytest.fixture(scope="module")
 def pv() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_pipeline_vs_llamacpp", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script("pipeline_vs_llamacpp")
 
 
 def test_a_ways_child_is_counted_as_its_own(pv: ModuleType) -> None:

@@ -3,24 +3,16 @@ Pure functions on synthetic points: nothing is measured here."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "scaling.py"
+from tests.bench import load_script
 
 
 @pytest.fixture(scope="module")
 def sc() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_scaling", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scaling")
 
 
 def test_known_points_recover_known_coefficients(sc: ModuleType) -> None:
