@@ -41,8 +41,9 @@ transformers`` against the checkpoint in fp32, when they differ by the F16's own
 llama.cpp's reference PPL is what ``--kl-divergence`` prints as PPL(base): computed from the 16-bit
 log-probs ``--kl-divergence-base`` stored, so it is off by their rounding.
 Below the tables, each way's CPU use while it ran (:class:`Load`): its own processes, everything else on
-the machine, and the hypervisor's steal. On a shared 2-core VM the others' share moves the ratio by several
-per cent; compare it before reading a ratio.
+the machine, and the hypervisor's steal. On a shared 2-core VM two runs gave 1.18 and 0.99, and in the
+second the steal was 50.7 s on llama.cpp's way and 8.6 s on Quantyard's
+(bench/results/pipeline_vs_llamacpp_xeon_avx512.txt): compare them before reading a ratio.
 
 Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real] [--windows 64] [--threads N]
 [--reference llama.cpp|transformers] [--eval-jobs 1] [--out FILE]
@@ -105,7 +106,7 @@ class Way:
     eval_wall_s: float | None = None
     variants: dict[str, dict[str, float | None]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    load: Load | None = None  # what else used the CPUs while this way ran
+    load: Load | None = None  # the machine's CPU use while this way ran
 
 
 @dataclass
