@@ -11,6 +11,8 @@
   worker: the first worker to ask builds it under a file lock in the run's shared temporary folder and the
   others read what it wrote (``once_per_run``). Tests that look for processes match only their own (their
   tmp_path or a tag in the command line or environment), so workers never see or kill each other's.
+* A test marked ``alone`` (a speed comparison) has the machine to itself under xdist: the other workers pause
+  between their tests while it runs (``pytest_runtest_protocol``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pipeline.config import Settings
+from tests.alone import pytest_runtest_protocol  # noqa: F401  (the hook that gives ``alone`` tests the machine)
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 DEMO_GGUF_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q2_K")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from evaluators.llamacpp.reference_tools import crosscheck
 from pipeline.config import Settings
 from pipeline.plan import EvalSpec, SpeedSpec
@@ -24,17 +26,20 @@ from registry import open_registry
 ROUNDS, REPEATS, PARALLEL, THREADS = 8, 5, (1, 8), 1
 #: Largest accepted |ours / theirs − 1| of the best repetitions. Both sides decode the same batches with the same
 #: ggml kernels, so the expected ratio is 1 less the Python work per decode step in Quantyard's runner (a ctypes
-#: call, a numpy view and an argmax: 10-15 µs of a 0.2 ms demo-model step, so decode ratios sit at 0.82-0.94 on
-#: the demo model, 0.95-1.1 on the real one). Measured with this test's configuration, six runs on this
-#: project's 2-core AVX-512 machine while other jobs ran (load 3.2-3.6): best-of ratios 0.82-1.15 over all
-#: metrics; bench/results/speed_crosscheck.txt (load 2-3): 0.87-1.08 on the demo GGUFs, 0.93-1.03 on the real
-#: checkpoint. Under heavier foreign load (4.5-6, three jobs) single ratios fell to 0.6: the test expects the
-#: machine to itself, as `make test` runs it. A definition error moves a ratio by more than 25 %: prompt
-#: tokens counted as generated (batched-bench's own ``speed``) by ×3, the prefill left out of the aggregate by
-#: ×1.5; the smallest, a missing −1 in decode tok/s, is ×32/31 and is pinned by the unit tests (test_speed.py).
+#: call, a numpy view and an argmax: 10-15 µs of a 0.2 ms demo-model step, so decode ratios sit at 0.82-0.94 on the
+#: demo model, 0.95-1.1 on the real one). Measured with this test's configuration, six runs on this project's 2-core
+#: AVX-512 machine while other jobs ran (load 3.2-3.6): best-of ratios 0.82-1.15 over all metrics;
+#: bench/results/speed_crosscheck.txt (load 2-3): 0.87-1.08 on the demo GGUFs, 0.93-1.03 on the real checkpoint.
+#: Under heavier foreign load (4.5-6, three jobs) single ratios fell to 0.6, and beside the other xdist worker's
+#: tests to 0.68-0.75 (CI, 2026-12-03: decode-only N=1 0.747, every decode ratio 0.71-1.10): the test is marked
+#: ``alone``, so under ``make test`` the other worker pauses while it runs. A definition error moves a ratio by more
+#: than 25 %: prompt tokens counted as generated (batched-bench's own ``speed``) by ×3, the prefill left out of the
+#: aggregate by ×1.5; the smallest, a missing −1 in decode tok/s, is ×32/31 and is pinned by the unit tests
+#: (test_speed.py).
 TOLERANCE = 0.25
 
 
+@pytest.mark.alone
 def test_llamacpp_speed_agrees_with_llama_bench_and_batched_bench(tmp_path: Path, demo_registry_template: dict,
                                                                    cache_dir: Path) -> None:
     cfg = Settings(cache_dir=cache_dir, threads=THREADS)
