@@ -4,6 +4,8 @@
 #
 #   bash scripts/gpu-check-exl2.sh --prepare   # here, with package registries: fill .gpu-carry/exl2
 #   bash scripts/gpu-check-exl2.sh             # there, from the repo root, carrying .gpu-carry/exl2
+#   bash scripts/gpu-check-exl2.sh install|compile|tests   # the same run in three steps (scripts/gpu-check.sh
+#                                              # run-all compiles in the background while other checks run)
 #
 # --prepare downloads the pure-Python exllamav2 0.3.2 wheel and the wheels (CPython 3.12, x86-64) of
 # what the GPU machine lacks, and copies the demo checkpoint (~22 MB; carry total stays < 64 MiB).
@@ -89,44 +91,69 @@ golden_cpu_test() {
     "$PY" -m pytest tests/converters/test_exl2_golden.py -v -rs -p no:cacheprovider
 }
 
-run() {
+env_setup() {  # what every step after the install needs, the same in each call (subcommands below)
     OUT=${OUT:-$PWD/gpu-out}
     mkdir -p "$OUT"
-    : > "$OUT/exl2-summary.txt"
-    exec > >(tee "$OUT/exl2-check.log") 2>&1
-    export QUANTYARD_CACHE_DIR="$OUT/exl2-cache" QUANTYARD_THREADS="$(nproc)"
-    if [ "${EXL2_CHECK_DRY:-0}" = 1 ]; then
-        echo "dry run: no GPU steps; the GPU tests must be skipped with their reason"
-        unset QUANTYARD_EXL2_PYTHON QUANTYARD_CACHE_DIR
-        step gpu-tests gpu_tests
-        grep -q "SKIPPED" "$OUT/exl2-pytest.log" && ! grep -qE "PASSED|FAILED" "$OUT/exl2-pytest.log"
-        step dry-run-skips-only test $? = 0
-        cat "$OUT/exl2-summary.txt"
-        return
-    fi
-    nvidia-smi | tee "$OUT/exl2-nvidia-smi.txt"
-    "$PY" -c "import torch, transformers, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'transformers', transformers.__version__, 'numpy', numpy.__version__, torch.cuda.get_device_name(0))"
-    [ -d "$CARRY/wheels" ] && [ -d "$CARRY/demo" ] || { echo "missing $CARRY: run --prepare and carry .gpu-carry"; exit 2; }
-    step install install_wheels || exit 1
+    touch "$OUT/exl2-summary.txt"
+    # The cache (conversions, measurements) and the compiled extension stay in the ignored carry folder, which a
+    # warm device keeps between calls; only logs, results and the golden fixtures go to $OUT (they come back).
+    export QUANTYARD_CACHE_DIR="$PWD/$CARRY-cache" QUANTYARD_THREADS="$(nproc)"
     export PYTHONPATH="$PWD/$CARRY/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     NVCC=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
     export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$NVCC")")}
     export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c \
         "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")}
-    export MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_EXTENSIONS_DIR="$OUT/exl2-torch-extensions"
-    step jit-compile jit_compile || { cat "$OUT/exl2-summary.txt"; exit 1; }
+    export MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_EXTENSIONS_DIR="$PWD/$CARRY-torch-extensions"
     export QUANTYARD_EXL2_PYTHON
     QUANTYARD_EXL2_PYTHON=$(command -v "$PY")
     export QUANTYARD_DEMO_CHECKPOINT="$PWD/$CARRY/demo" QUANTYARD_GOLDEN_OUT="$OUT/exl2-golden"
+}
+
+dry_run() {
+    OUT=${OUT:-$PWD/gpu-out}
+    mkdir -p "$OUT"
+    : > "$OUT/exl2-summary.txt"
+    echo "dry run: no GPU steps; the GPU tests must be skipped with their reason"
+    unset QUANTYARD_EXL2_PYTHON QUANTYARD_CACHE_DIR
+    step gpu-tests gpu_tests
+    grep -q "SKIPPED" "$OUT/exl2-pytest.log" && ! grep -qE "PASSED|FAILED" "$OUT/exl2-pytest.log"
+    step dry-run-skips-only test $? = 0
+    cat "$OUT/exl2-summary.txt"
+}
+
+install_step() {  # the carried wheels into $CARRY/site, and what the machine has
+    OUT=${OUT:-$PWD/gpu-out}
+    mkdir -p "$OUT"
+    : > "$OUT/exl2-summary.txt"
+    nvidia-smi | tee "$OUT/exl2-nvidia-smi.txt"
+    "$PY" -c "import torch, transformers, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, 'numpy', numpy.__version__, torch.cuda.get_device_name(0))"
+    [ -d "$CARRY/wheels" ] && [ -d "$CARRY/demo" ] || { echo "missing $CARRY: run --prepare and carry .gpu-carry"; exit 2; }
+    step install install_wheels
+}
+
+compile_step() { env_setup; step jit-compile jit_compile; }
+
+tests_step() {  # after compile_step (the extension is then imported, not built)
+    env_setup
     step gpu-tests gpu_tests
     step golden-cpu-test golden_cpu_test
     cat "$OUT/exl2-summary.txt"
     ! grep -q "rc=[1-9]" "$OUT/exl2-summary.txt"
 }
 
+run() {
+    if [ "${EXL2_CHECK_DRY:-0}" = 1 ]; then dry_run; return; fi
+    install_step || exit 1
+    compile_step || { cat "$OUT/exl2-summary.txt"; exit 1; }
+    tests_step
+}
+
 case "${1:-}" in
     --prepare) prepare ;;
-    "") run ;;
-    *) echo "usage: $0 [--prepare]"; exit 2 ;;
+    "") OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"; exec > >(tee "$OUT/exl2-check.log") 2>&1; run ;;
+    install) install_step ;;
+    compile) compile_step ;;
+    tests) tests_step ;;
+    *) echo "usage: $0 [--prepare | install | compile | tests]"; exit 2 ;;
 esac

@@ -75,6 +75,54 @@ awq_run() {
 exl2_prepare() { bash "$ROOT/scripts/gpu-check-exl2.sh" --prepare; }
 exl2_run() { OUT="$OUT" bash "$ROOT/scripts/gpu-check-exl2.sh"; }
 
+# --- run-all: everything that fits one device call beside the exl2 carry, in priority order -------------
+# One call, carrying only .gpu-carry/exl2 (the exllamav2 wheels, Quantyard's light dependencies, the demo):
+#   run(command="bash scripts/gpu-check.sh run-all", carry=[".gpu-carry/exl2"], timeout_s=600)
+# exllamav2's CUDA extension compiles in the background (MAX_JOBS of the cores) while the GPU reference checks
+# and bench/gpu_reference.py use the GPU; the EXL2 tests run when both are done. Each step has a share of
+# RUN_ALL_BUDGET_S (default 560 s) and is cut at the deadline, so the logs of every step come back.
+RUN_ALL_BUDGET_S=${RUN_ALL_BUDGET_S:-560}
+
+left() { local n=$((RUN_ALL_T0 + RUN_ALL_BUDGET_S - SECONDS - ${1:-0})); echo $(( n < 10 ? 10 : n )); }
+
+run_all() {
+  RUN_ALL_T0=$SECONDS
+  local rc=0 py tok="$ROOT/.gpu-carry/exl2/demo"
+  py="$(command -v python3)"
+  probe
+  (cd "$ROOT" && OUT="$OUT" bash scripts/gpu-check-exl2.sh install) > "$OUT/exl2-install.log" 2>&1 \
+    || { log "exl2 install FAILED"; rc=1; }
+  log "installed after $((SECONDS - RUN_ALL_T0)) s"
+  (cd "$ROOT" && OUT="$OUT" MAX_JOBS="${MAX_JOBS:-$(( $(nproc) * 3 / 4 ))}" timeout "$(left 60)" \
+    bash scripts/gpu-check-exl2.sh compile && rc=0 || rc=$?; date +%s > "$OUT/exl2-compile.ended"; exit $rc) \
+    > "$OUT/exl2-compile.log" 2>&1 &
+  local compile=$!
+  export PYTHONPATH="$ROOT/.gpu-carry/exl2/site:$ROOT"
+  # 1. the reference on CUDA against the CPU (tests/evaluators/test_reference_gpu.py)
+  QUANTYARD_GPU_TOKENIZER="$tok" timeout 180 "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
+    "$ROOT/tests/evaluators/test_reference_gpu.py" --junitxml="$OUT/reference-junit.xml" > "$OUT/reference-pytest.log" 2>&1 \
+    || rc=1
+  log "reference GPU tests ($((SECONDS - RUN_ALL_T0)) s): $(tail -n 1 "$OUT/reference-pytest.log")"
+  # 2. the reference stage at growing sizes; it leaves the EXL2 tests at least 200 s
+  local stop=$(( RUN_ALL_T0 + RUN_ALL_BUDGET_S - SECONDS - 290 ))
+  if [ "$stop" -gt 0 ]; then
+    (cd "$ROOT" && timeout "$(left 200)" "$py" bench/gpu_reference.py --tokenizer "$tok" \
+      --out "$OUT/gpu_reference.json" --windows 16 --stop-after "$stop" --work "$ROOT/gpu-work" \
+      --note "exllamav2's CUDA extension compiled on ${MAX_JOBS:-$(( $(nproc) * 3 / 4 ))} of $(nproc) cores meanwhile, until exl2-compile.ended (epoch s)") \
+      > "$OUT/gpu-reference.log" 2>&1 && log "gpu_reference: ok ($((SECONDS - RUN_ALL_T0)) s)" \
+      || { rc=1; log "gpu_reference: FAILED or cut ($((SECONDS - RUN_ALL_T0)) s)"; }
+  fi
+  # 3. EXL2 on real exllamav2, once its extension is built
+  wait "$compile" && log "exl2 compile: ok ($((SECONDS - RUN_ALL_T0)) s)" || { rc=1; log "exl2 compile: FAILED"; }
+  if grep -q "jit-compile rc=0" "$OUT/exl2-summary.txt" 2>/dev/null; then
+    (cd "$ROOT" && OUT="$OUT" timeout "$(left 10)" bash scripts/gpu-check-exl2.sh tests) \
+      > "$OUT/exl2-tests.log" 2>&1 || rc=1
+    log "exl2 tests ($((SECONDS - RUN_ALL_T0)) s): $(grep -E ' rc=' "$OUT/exl2-summary.txt" | tr '\n' ';')"
+  fi
+  rm -rf "$ROOT/gpu-work"
+  return $rc
+}
+
 # --- driver -------------------------------------------------------------------------------------------
 prepare() {
   rm -rf "$CARRY" && mkdir -p "$CARRY/part1/wheels" "$CARRY/part2/wheels"
@@ -142,7 +190,8 @@ case "${1:-run}" in
   install) install_part "${2:?usage: $0 install gpu-carry/partN}" ;;
   run) run ;;
   run-exl2) probe; exl2_run ;;
+  run-all) run_all ;;
   run-serving) probe; OUT="$OUT" bash "$ROOT/scripts/gpu-check-serving.sh" ;;
   check) check ;;
-  *) echo "usage: $0 prepare|install PART|run|run-exl2|run-serving|check" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare|install PART|run|run-exl2|run-all|run-serving|check" >&2; exit 2 ;;
 esac
