@@ -43,10 +43,19 @@ def load_model(req: dict[str, Any]) -> Any:
     return model.to(device).eval()
 
 
+def device_name(where: Any) -> str:
+    """One device as torch names it: ``cuda:N``, ``cpu``, ``disk``. accelerate's ``hf_device_map`` gives a GPU as its
+    bare index (``0``, or ``"0"``), a parameter's ``.device`` as ``cuda:0``; both are recorded as ``cuda:0``."""
+    text = str(where)
+    return f"cuda:{text}" if text.isdigit() else text
+
+
 def placement(model: Any) -> list[str]:
-    """The devices the model's weights are on, in order of first use (``hf_device_map`` under device_map)."""
+    """The devices the model's weights are on, in order of first use (``hf_device_map`` under device_map: on one
+    GPU, transformers 5.17 leaves it unset, so both paths must name devices alike; checked on an H200)."""
     where = getattr(model, "hf_device_map", None)
-    devices = [str(d) for d in where.values()] if where else [str(p.device) for p in model.parameters()]
+    devices = [device_name(d) for d in where.values()] if where else [device_name(p.device)
+                                                                      for p in model.parameters()]
     return list(dict.fromkeys(devices))
 
 
