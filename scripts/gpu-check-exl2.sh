@@ -78,10 +78,20 @@ print(f"exllamav2 {exllamav2.__version__}: extension ready after {time.perf_coun
 EOF
 }
 
+# One pytest process per test, so each failure's traceback is written when that test ends (pytest prints them at
+# the end of a session, and the device's first run cut the session at its deadline: both failures were lost).
+GPU_TESTS=(tests/converters/test_exl2_gpu.py tests/evaluators/test_exl2_gpu.py)
+
 gpu_tests() {
-    "$PY" -m pytest -m gpu tests/converters/test_exl2_gpu.py tests/evaluators/test_exl2_gpu.py -v -s -rs \
-        -p no:cacheprovider --junitxml="$OUT/exl2-pytest.xml" 2>&1 | tee "$OUT/exl2-pytest.log"
-    return "${PIPESTATUS[0]}"
+    local ids rc=0 id
+    ids=$("$PY" -m pytest -m gpu "${GPU_TESTS[@]}" --collect-only -q -p no:cacheprovider 2>/dev/null | grep '::')
+    [ -n "$ids" ] || ids=$(printf '%s\n' "${GPU_TESTS[@]}")  # collection failed: run the files, to see why
+    : > "$OUT/exl2-pytest.log"
+    while read -r id; do
+        "$PY" -m pytest -m gpu "$id" -v -s -rA --tb=long -p no:cacheprovider 2>&1 | tee -a "$OUT/exl2-pytest.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    done <<< "$ids"
+    return $rc
 }
 
 golden_cpu_test() {

@@ -78,47 +78,65 @@ exl2_run() { OUT="$OUT" bash "$ROOT/scripts/gpu-check-exl2.sh"; }
 # --- run-all: everything that fits one device call beside the exl2 carry, in priority order -------------
 # One call, carrying only .gpu-carry/exl2 (the exllamav2 wheels, Quantyard's light dependencies, the demo):
 #   run(command="bash scripts/gpu-check.sh run-all", carry=[".gpu-carry/exl2"], timeout_s=600)
-# exllamav2's CUDA extension compiles in the background (MAX_JOBS of the cores) while the GPU reference checks
-# and bench/gpu_reference.py use the GPU; the EXL2 tests run when both are done. Each step has a share of
-# RUN_ALL_BUDGET_S (default 560 s) and is cut at the deadline, so the logs of every step come back.
+# exllamav2's CUDA extension compiles in the background (MAX_JOBS, 3/4 of the cores; 152 s on the H200's 16) while
+# the CUDA reference tests and the small sizes of bench/gpu_reference.py use the GPU; then the EXL2 tests, one
+# pytest process each; then the large sizes of the bench, if time is left. Each step is cut at its share of
+# RUN_ALL_BUDGET_S (default 560 s).
+# The device returns at most 8 files per call and drops the rest (2026-12-04: the first run lost its bench JSON,
+# golden fixtures and tracebacks that way): at exit everything under $OUT, with the tool failure logs, is packed
+# into $OUT/gpu-check.tgz beside gpu-check.log, the only two files left there.
 RUN_ALL_BUDGET_S=${RUN_ALL_BUDGET_S:-560}
 
 left() { local n=$((RUN_ALL_T0 + RUN_ALL_BUDGET_S - SECONDS - ${1:-0})); echo $(( n < 10 ? 10 : n )); }
 
+pack() {  # everything under $OUT (and the failure logs of Quantyard's tool runs) into one archive
+  local logs="$ROOT/.gpu-carry/exl2-cache/logs" tgz
+  tgz="$(mktemp -d)/gpu-check.tgz"
+  [ -d "$logs" ] && cp -r "$logs" "$OUT/tool-logs"
+  tar czf "$tgz" -C "$OUT" --exclude='*.so' --exclude='*.o' . \
+    && find "$OUT" -mindepth 1 ! -name gpu-check.log -exec rm -rf {} + 2>/dev/null
+  mv "$tgz" "$OUT/" && ls -l "$OUT" >&2
+}
+
+bench_sizes() {  # bench_sizes SIZES LEAVE: bench/gpu_reference.py on SIZES, leaving LEAVE seconds of the budget
+  local stop=$(( RUN_ALL_T0 + RUN_ALL_BUDGET_S - SECONDS - $2 - 90 ))
+  [ "$stop" -gt 0 ] || { log "gpu_reference $1: no time left"; return 0; }
+  (cd "$ROOT" && timeout "$(left "$2")" python3 bench/gpu_reference.py --tokenizer "$ROOT/.gpu-carry/exl2/demo" \
+    --out "$OUT/gpu_reference-${1//,/_}.json" --windows 16 --sizes "$1" --stop-after "$stop" --work "$ROOT/gpu-work" \
+    --note "$3") > "$OUT/gpu-reference-${1//,/_}.log" 2>&1 \
+    && log "gpu_reference $1: ok ($((SECONDS - RUN_ALL_T0)) s)" \
+    || { log "gpu_reference $1: FAILED or cut ($((SECONDS - RUN_ALL_T0)) s)"; return 1; }
+}
+
 run_all() {
   RUN_ALL_T0=$SECONDS
-  local rc=0 py tok="$ROOT/.gpu-carry/exl2/demo"
-  py="$(command -v python3)"
+  trap pack EXIT
+  local rc=0 jobs=${MAX_JOBS:-$(( $(nproc) * 3 / 4 ))}
   probe
   (cd "$ROOT" && OUT="$OUT" bash scripts/gpu-check-exl2.sh install) > "$OUT/exl2-install.log" 2>&1 \
     || { log "exl2 install FAILED"; rc=1; }
   log "installed after $((SECONDS - RUN_ALL_T0)) s"
-  (cd "$ROOT" && OUT="$OUT" MAX_JOBS="${MAX_JOBS:-$(( $(nproc) * 3 / 4 ))}" timeout "$(left 60)" \
+  (cd "$ROOT" && OUT="$OUT" MAX_JOBS="$jobs" timeout "$(left 60)" \
     bash scripts/gpu-check-exl2.sh compile && rc=0 || rc=$?; date +%s > "$OUT/exl2-compile.ended"; exit $rc) \
     > "$OUT/exl2-compile.log" 2>&1 &
   local compile=$!
   export PYTHONPATH="$ROOT/.gpu-carry/exl2/site:$ROOT"
   # 1. the reference on CUDA against the CPU (tests/evaluators/test_reference_gpu.py)
-  QUANTYARD_GPU_TOKENIZER="$tok" timeout 180 "$py" -m pytest -m gpu -p no:cacheprovider -q -rA \
-    "$ROOT/tests/evaluators/test_reference_gpu.py" --junitxml="$OUT/reference-junit.xml" > "$OUT/reference-pytest.log" 2>&1 \
-    || rc=1
+  QUANTYARD_GPU_TOKENIZER="$ROOT/.gpu-carry/exl2/demo" timeout 180 python3 -m pytest -m gpu -p no:cacheprovider \
+    -q -rA "$ROOT/tests/evaluators/test_reference_gpu.py" > "$OUT/reference-pytest.log" 2>&1 || rc=1
   log "reference GPU tests ($((SECONDS - RUN_ALL_T0)) s): $(tail -n 1 "$OUT/reference-pytest.log")"
-  # 2. the reference stage at growing sizes; it leaves the EXL2 tests at least 200 s
-  local stop=$(( RUN_ALL_T0 + RUN_ALL_BUDGET_S - SECONDS - 290 ))
-  if [ "$stop" -gt 0 ]; then
-    (cd "$ROOT" && timeout "$(left 200)" "$py" bench/gpu_reference.py --tokenizer "$tok" \
-      --out "$OUT/gpu_reference.json" --windows 16 --stop-after "$stop" --work "$ROOT/gpu-work" \
-      --note "exllamav2's CUDA extension compiled on ${MAX_JOBS:-$(( $(nproc) * 3 / 4 ))} of $(nproc) cores meanwhile, until exl2-compile.ended (epoch s)") \
-      > "$OUT/gpu-reference.log" 2>&1 && log "gpu_reference: ok ($((SECONDS - RUN_ALL_T0)) s)" \
-      || { rc=1; log "gpu_reference: FAILED or cut ($((SECONDS - RUN_ALL_T0)) s)"; }
-  fi
+  # 2. the reference stage's small sizes while the extension compiles
+  bench_sizes 0.3B,1.5B 300 "exllamav2's CUDA extension compiled on $jobs of $(nproc) cores meanwhile, until \
+exl2-compile.ended (epoch s)" || rc=1
   # 3. EXL2 on real exllamav2, once its extension is built
   wait "$compile" && log "exl2 compile: ok ($((SECONDS - RUN_ALL_T0)) s)" || { rc=1; log "exl2 compile: FAILED"; }
   if grep -q "jit-compile rc=0" "$OUT/exl2-summary.txt" 2>/dev/null; then
-    (cd "$ROOT" && OUT="$OUT" timeout "$(left 10)" bash scripts/gpu-check-exl2.sh tests) \
+    (cd "$ROOT" && OUT="$OUT" timeout "$(left 100)" bash scripts/gpu-check-exl2.sh tests) \
       > "$OUT/exl2-tests.log" 2>&1 || rc=1
     log "exl2 tests ($((SECONDS - RUN_ALL_T0)) s): $(grep -E ' rc=' "$OUT/exl2-summary.txt" | tr '\n' ';')"
   fi
+  # 4. the large sizes, with what is left
+  bench_sizes 3.6B,8B 10 "nothing else ran meanwhile" || rc=1
   rm -rf "$ROOT/gpu-work"
   return $rc
 }
