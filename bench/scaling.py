@@ -29,8 +29,12 @@ coefficients leave one degree of freedom: the residuals are printed, and every n
 is labelled EXTRAPOLATED. Vocabulary-dependent costs (the output head, the stored reference distribution,
 the exact KLD) are folded into P at a 49152-token vocabulary; the targets' larger vocabularies are not modelled.
 
+GPU column (``--gpu FILE``, from bench/gpu_reference.py on a GPU machine; without it, assumptions only): the
+GpuModel's forward-pass and load assumptions, plus the reference stage's MEASURED start and host time per stored
+entry (the exact-KLD distribution: on an H200 that, not the GPU, set the stage's time from 0.3 B to 3.6 B).
+
 Usage: python bench/scaling.py [--sizes demo,real,big] [--windows 16,16,8 | --windows 2] [--threads N]
-[--out FILE] [--save FILE.json] [--load FILE.json (fit and print saved measurements; no run)]
+[--out FILE] [--save FILE.json] [--load FILE.json (fit and print saved measurements; no run)] [--gpu FILE.json]
 """
 
 from __future__ import annotations
@@ -183,8 +187,45 @@ JOB_STAGES = (("hash", "1", "hash the source"), ("resolve", "1", "resolve stage"
 
 
 @dataclass(frozen=True)
+class GpuMeasured:
+    """The reference stage measured on a GPU by bench/gpu_reference.py (``--gpu FILE``): what of the GPU column is
+    measured rather than assumed. ``host_s_per_entry``: the scoring loop's seconds per stored distribution entry
+    (scored positions × vocabulary; the median over the sizes: the loop did not grow with the model there);
+    ``start_s``: the stage's start and load at the smallest size (interpreter, torch and CUDA start, weights from
+    the page cache)."""
+
+    machine: str
+    source: str
+    params: tuple[float, ...]
+    host_s_per_entry: float
+    start_s: float
+    rows: tuple[dict[str, Any], ...] = ()
+
+    @classmethod
+    def load(cls, path: Path) -> GpuMeasured:
+        """Raises SystemExit naming the file when it holds no measured size."""
+        data = json.loads(path.read_text())
+        rows = [r for r in data.get("rows", []) if r.get("device", "cuda") != "cpu"]
+        if not rows:
+            raise SystemExit(f"--gpu {path}: no GPU measurement in it (expected rows from bench/gpu_reference.py)")
+        per_entry = sorted(r["eval_s"] / (r["scored"] * r["vocab"]) for r in rows)
+        smallest = min(rows, key=lambda r: r["params"])
+        return cls(machine=data["machine"]["gpu"], source=str(path), params=tuple(r["params"] for r in rows),
+                   host_s_per_entry=per_entry[len(per_entry) // 2], start_s=smallest["load_and_start_s"],
+                   rows=tuple(rows))
+
+    def describe(self) -> str:
+        return (f"MEASURED on {self.machine} ({self.source}, {len(self.params)} sizes, "
+                f"{min(self.params) / 1e9:.2f}-{max(self.params) / 1e9:.2f} B parameters): the reference's scoring "
+                f"loop is the host's work on the stored distribution, {self.host_s_per_entry * 1e9:.1f} ns per entry "
+                f"(scored positions × vocabulary), flat in the model's size there, and its start takes "
+                f"{self.start_s:.1f} s")
+
+
+@dataclass(frozen=True)
 class GpuModel:
-    """Assumptions for the GPU column (nothing was measured on a GPU)."""
+    """The GPU column: assumptions, and where ``measured`` is given (bench/gpu_reference.py), the reference
+    stage's measured host work and start in place of the assumption's silence on them."""
 
     name: str = "1× NVIDIA H200 (141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s dense BF16)"
     memory_bytes: float = 139 * GIB  # what the lent machine reports as usable
@@ -194,24 +235,44 @@ class GpuModel:
     bandwidth_fraction: float = 0.6
     load_bps: float = 2e9  # weights from local disk into GPU memory
     bytes_per_param: dict[str, float] = field(default_factory=lambda: {"reference": 2.0, "evaluate": 34 / 32})
+    measured: GpuMeasured | None = None
 
     def assumption(self) -> str:
-        return (f"{self.name}; a forward pass over T tokens costs max(2·P·T FLOPs at {self.flops_fraction:.0%} of "
+        base = (f"{self.name}; a forward pass over T tokens costs max(2·P·T FLOPs at {self.flops_fraction:.0%} of "
                 f"peak, the weights read once per 512-token window at {self.bandwidth_fraction:.0%} of "
                 f"{self.bandwidth / 1e12:.1f} TB/s) plus loading the weights from disk at {self.load_bps / 1e9:.0f} "
-                f"GB/s; reference in bf16 (2 B/param), each variant counted at Q8_0's 34/32 B/param (the largest "
-                "type: an upper bound); the host's exact-KLD work and reference file I/O are left out")
+                "GB/s; reference in bf16 (2 B/param), each variant counted at Q8_0's 34/32 B/param (the largest "
+                "type: an upper bound)")
+        if self.measured is None:
+            return base + "; the host's exact-KLD work and reference file I/O are left out"
+        return (base + f". Added from measurements: {self.measured.describe()}; each stage of the column gets that "
+                "start and that host time per entry (MEASURED for the reference; for an evaluation ASSUMED equal, "
+                "as its exact KLD reads the same entries: not measured on a GPU)")
+
+    def check(self) -> list[str]:
+        """The model against the sizes it was measured at (reference stage, measured wall vs this model)."""
+        if self.measured is None:
+            return []
+        out = ["| size | parameters | measured stage s | this model s |", "|---|---:|---:|---:|"]
+        for r in self.measured.rows:
+            est = gpu_estimate_s(self, "reference", r["params"], r["tokens"], entries=r["scored"] * r["vocab"])
+            out.append(f"| {r['size']} | {r['params'] / 1e9:.2f} B | {r['stage_wall_s']:.1f} | {est:.1f} |")
+        return out
 
 
-def gpu_estimate_s(gpu: GpuModel, stage: str, params: float, tokens: int, window: int = 512) -> float | None:
+def gpu_estimate_s(gpu: GpuModel, stage: str, params: float, tokens: int, window: int = 512,
+                   entries: int = 0) -> float | None:
     """ESTIMATE (:meth:`GpuModel.assumption`) of one reference or evaluation on the GPU; None for the stages
-    that run on the host CPU whatever the machine (hash, conversion, quantization, registration)."""
+    that run on the host CPU whatever the machine (hash, conversion, quantization, registration). With
+    ``gpu.measured``: plus its measured start and ``entries`` (scored positions × vocabulary) times its measured
+    host time per entry."""
     if stage not in gpu.bytes_per_param:
         return None
     weight_bytes = params * gpu.bytes_per_param[stage]
     compute = 2 * params * tokens / (gpu.peak_flops * gpu.flops_fraction)
     reads = weight_bytes * math.ceil(tokens / window) / (gpu.bandwidth * gpu.bandwidth_fraction)
-    return weight_bytes / gpu.load_bps + max(compute, reads)
+    host = 0.0 if gpu.measured is None else gpu.measured.start_s + entries * gpu.measured.host_s_per_entry
+    return weight_bytes / gpu.load_bps + max(compute, reads) + host
 
 
 @dataclass(frozen=True)
@@ -240,7 +301,7 @@ def job_estimate(fits: dict[str, tuple[LinearFit, LinearFit]], target: Target, j
         x = target.params * tokens if group in TOKEN_STAGES else target.params
         peak = extrapolate(mfit, target.params, target.name, "GiB")
         peak = Extrapolated(peak.quantity, peak.target, peak.x, peak.value / GIB, peak.unit, peak.label)
-        one = gpu_estimate_s(gpu, group, target.params, tokens, job.window)
+        one = gpu_estimate_s(gpu, group, target.params, tokens, job.window, entries=job.scored * target.vocab)
         rows.append(JobRow(f"{what} ×{count}" if count > 1 else what, count, x,
                            extrapolate(tfit, x, target.name, "s", count), peak,
                            peak.value * GIB <= ram_bytes, None if one is None else count * one))
@@ -545,8 +606,13 @@ def report(runs: list[SizeRun], ram: float, gpu: GpuModel, job: Job) -> list[str
     if absent:
         parts.append(f"No extrapolation: no fit for {', '.join(absent)} (measure at least two sizes).")
         return parts
-    parts.append("## EXTRAPOLATED to larger models (from the fits above; nothing below was measured)\n\n"
-                 f"GPU column: ESTIMATE, no GPU measurement exists. Assumption: {gpu.assumption()}.")
+    if gpu.measured is None:
+        parts.append("## EXTRAPOLATED to larger models (from the fits above; nothing below was measured)\n\n"
+                     f"GPU column: ESTIMATE, no GPU measurement exists. Assumption: {gpu.assumption()}.")
+    else:
+        parts.append("## EXTRAPOLATED to larger models (from the fits above; nothing below was measured)\n\n"
+                     f"GPU column: ESTIMATE, in part from a GPU measurement. Assumption: {gpu.assumption()}.\n\n"
+                     "The GPU column's reference, at the sizes it was measured at:\n\n" + "\n".join(gpu.check()))
     parts += [job_table(fits, t, job, ram, gpu) for t in TARGETS]
     return parts
 
@@ -573,6 +639,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="also write the report, with its header, here")
     ap.add_argument("--save", type=Path, default=None, help="write the raw measurements (JSON) here")
     ap.add_argument("--load", type=Path, default=None, help="fit saved measurements instead of measuring")
+    ap.add_argument("--gpu", type=Path, default=None,
+                    help="the reference stage measured on a GPU (bench/gpu_reference.py's JSON) for the GPU column")
     args = ap.parse_args()
     sizes = [s for s in args.sizes.split(",") if s]
     if unknown := [s for s in sizes if s not in SIZES]:
@@ -593,7 +661,8 @@ def main() -> None:
             runs.append(measure(size, ckpt, cfg, windows[size], args.threads, args.reference))
         if args.save is not None:
             args.save.write_text(json.dumps([asdict(r) for r in runs], indent=1))
-    parts += report(runs, ram_bytes(), GpuModel(), Job())
+    gpu = GpuModel(measured=GpuMeasured.load(args.gpu) if args.gpu is not None else None)
+    parts += report(runs, ram_bytes(), gpu, Job())
     end = os.getloadavg()
     parts.append(f"# load average at end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f} (1/5/15 min)")
     for p in parts[1:]:

@@ -3,6 +3,8 @@ Pure functions on synthetic points: nothing is measured here."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -137,3 +139,38 @@ def test_a_flat_or_falling_fit_never_extrapolates_below_what_was_measured(sc: Mo
     assert far.value == pytest.approx(0.031) and far.label.startswith("EXTRAPOLATED flat")
     assert "EXTRAPOLATED" in str(far)
     assert sc.extrapolate(fit, 5e8, "mid", "s").label == "INTERPOLATED"  # inside the range: the line itself
+
+
+def _gpu_json(tmp_path: Path, rows: list[dict]) -> Path:
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"machine": {"gpu": "NVIDIA H200"}, "rows": rows}))
+    return path
+
+
+def _gpu_row(size: str, params: float, eval_s: float, start: float, device: str = "cuda") -> dict:
+    return {"size": size, "params": params, "tokens": 8192, "scored": 4080, "vocab": 128256, "eval_s": eval_s,
+            "load_and_start_s": start, "stage_wall_s": eval_s + start, "device": device}
+
+
+def test_gpu_measurement_sets_the_host_rate_and_start_of_the_gpu_column(sc: ModuleType, tmp_path: Path) -> None:
+    entries = 4080 * 128256
+    rows = [_gpu_row("b", 1.5e9, 9.0, 18.0), _gpu_row("a", 0.3e9, 10.0, 16.0), _gpu_row("c", 3.6e9, 12.0, 17.0),
+            _gpu_row("cpu", 1e6, 99.0, 1.0, device="cpu")]  # a CPU dry run's row is not a GPU measurement
+    measured = sc.GpuMeasured.load(_gpu_json(tmp_path, rows))
+    assert measured.host_s_per_entry == pytest.approx(10.0 / entries)  # the median, not the mean
+    assert measured.start_s == 16.0 and measured.params == (1.5e9, 0.3e9, 3.6e9)
+    plain, gpu = sc.GpuModel(), sc.GpuModel(measured=measured)
+    job, target = sc.Job(), sc.Target("8B", 8e9, 128256)
+    more = job.scored * target.vocab
+    for stage in ("reference", "evaluate"):
+        with_host = sc.gpu_estimate_s(gpu, stage, 8e9, job.tokens, entries=more)
+        without = sc.gpu_estimate_s(plain, stage, 8e9, job.tokens)
+        assert with_host == pytest.approx(without + 16.0 + more * 10.0 / entries)
+    assert sc.gpu_estimate_s(gpu, "build", 8e9, 0, entries=more) is None
+    assert "MEASURED on NVIDIA H200" in gpu.assumption() and "ASSUMED equal" in gpu.assumption()
+    assert len(gpu.check()) == 2 + 4 - 1 and plain.check() == []
+
+
+def test_a_gpu_file_without_gpu_rows_is_refused(sc: ModuleType, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no GPU measurement"):
+        sc.GpuMeasured.load(_gpu_json(tmp_path, [_gpu_row("cpu", 1e6, 1.0, 1.0, device="cpu")]))
