@@ -41,7 +41,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pipeline.config import Settings
-from tests.alone import pytest_runtest_protocol  # noqa: F401  (the hook that gives ``alone`` tests the machine)
+from tests.alone import (  # the hooks that give ``alone`` tests the machine, and report their waits
+    alone_last,
+    pytest_runtest_protocol,  # noqa: F401
+    pytest_terminal_summary,  # noqa: F401
+)
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 DEMO_GGUF_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q2_K")
@@ -75,9 +79,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``make test`` hands whole files to its xdist workers (``--dist loadfile --no-loadscope-reorder``) in this
     order: the long files start early and the many short ones fill in behind them, so both workers finish at
     about the same time instead of one running a long file alone at the end. The order is stable, so every
-    worker collects the same list (xdist requires it)."""
+    worker collects the same list (xdist requires it). Tests marked ``alone`` go last (tests/alone.py)."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)
+    alone_last(items)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ def record(name):
 '''
 
 
-def _spans(tmp_path: Path, plugin: bool) -> dict[str, tuple[float, float]]:
+def _spans(tmp_path: Path, plugin: bool) -> tuple[dict[str, tuple[float, float]], str]:
     tmp_path.mkdir()
     (tmp_path / "record_span.py").write_text(RECORD)
     (tmp_path / "test_others.py").write_text(
@@ -38,7 +38,7 @@ def _spans(tmp_path: Path, plugin: bool) -> dict[str, tuple[float, float]]:
     env = {**os.environ, "ALONE_LOG": str(log), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
     done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    return {p.name: tuple(json.loads(p.read_text())) for p in log.iterdir()}
+    return {p.name: tuple(json.loads(p.read_text())) for p in log.iterdir()}, done.stdout
 
 
 def _overlapping(spans: dict[str, tuple[float, float]]) -> list[str]:
@@ -46,11 +46,12 @@ def _overlapping(spans: dict[str, tuple[float, float]]) -> list[str]:
     return [name for name, (a, b) in spans.items() if name != "solo" and a < s1 and s0 < b]
 
 
-def test_an_alone_test_overlaps_no_other_test(tmp_path: Path) -> None:
-    spans = _spans(tmp_path / "with", plugin=True)
+def test_an_alone_test_overlaps_no_other_test_and_its_wait_is_reported(tmp_path: Path) -> None:
+    spans, out = _spans(tmp_path / "with", plugin=True)
     assert len(spans) == 4 and _overlapping(spans) == [], spans
+    assert "alone: test_solo.py::test_solo waited" in out, out
 
 
 def test_without_the_plugin_the_same_tests_overlap(tmp_path: Path) -> None:
-    spans = _spans(tmp_path / "without", plugin=False)
+    spans, _ = _spans(tmp_path / "without", plugin=False)
     assert len(spans) == 4 and _overlapping(spans), spans

@@ -80,6 +80,26 @@ def _exllamav2_dequantized(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _undo_mlp_remap(theirs: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Put ExLlamaV2's reconstruction of each MLP back in the weights' own order, in place.
+
+    ExLlamaV2 loads an MLP's ``down_proj`` without its permutation (exllamav2/mlp.py: ``load(unmap=True)``) and
+    reorders ``gate_proj``'s and ``up_proj``'s output columns by it instead (linear.py: ``tensor_remap`` with
+    ``output_map``): the MLP computes the same, but ``get_weight_tensor_dq()`` returns down's rows and gate's and
+    up's columns in quantized order. Row (column) ``j`` of the weight is row (column) ``q_invperm[j]`` there.
+    Without this every MLP layer compared unequal on the H200 (2026-12-04), whichever tool wrote the file."""
+    for key in [k for k in theirs if k.endswith(".down_proj")]:
+        inverse = tensors.get(f"{key}.q_invperm")
+        if inverse is None:
+            continue
+        inv = inverse.long().cpu()
+        theirs[key] = theirs[key][inv]
+        mlp = key.removesuffix(".down_proj")
+        for sibling in (f"{mlp}.gate_proj", f"{mlp}.up_proj"):
+            if sibling in theirs:
+                theirs[sibling] = theirs[sibling][:, inv]
+
+
 def _compare(folder: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
@@ -87,6 +107,7 @@ def _compare(folder: Path) -> dict[str, Any]:
     for f in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     theirs = _exllamav2_dequantized(folder)
+    _undo_mlp_remap(theirs, tensors)
     prefixes = layer_prefixes(list(tensors))
     assert set(theirs) == set(prefixes) and prefixes
     report = {}
@@ -141,7 +162,9 @@ def _write_golden(dest: Path, results: dict[str, Any], real: Any, ours: Any) -> 
                                     "written_by": "exllamav2" if origin == "real" else "quantyard reference-cpu"}
     import exllamav2
 
-    meta.update({"exllamav2": exllamav2.__version__, "torch": torch.__version__,
+    meta.update({"exllamav2_dq": "ExLlamaV2Linear.get_weight_tensor_dq(), its MLP reordering undone "
+                                 "(tests/converters/test_exl2_gpu.py _undo_mlp_remap)",
+                 "exllamav2": exllamav2.__version__, "torch": torch.__version__,
                  "gpu": torch.cuda.get_device_name(0), "real_tool": real.tool, "ours_tool": ours.tool})
     save_file(chosen, str(dest / "golden.safetensors"))
     (dest / "golden.json").write_text(json.dumps(meta, indent=1, default=str))
