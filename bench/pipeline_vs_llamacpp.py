@@ -45,8 +45,11 @@ the machine, and the hypervisor's steal. On a shared 2-core VM two runs gave 1.1
 second the steal was 50.7 s on llama.cpp's way and 8.6 s on Quantyard's
 (bench/results/pipeline_vs_llamacpp_xeon_avx512.txt): compare them before reading a ratio.
 
+``--repeats N`` runs both ways N times, alternating which goes first (llama.cpp in the first repeat), and ends
+with each pair's ratio and steal and the median ratio: on a noisy VM one pair does not measure the overhead.
+
 Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real] [--windows 64] [--threads N]
-[--reference llama.cpp|transformers] [--eval-jobs 1] [--out FILE]
+[--reference llama.cpp|transformers] [--eval-jobs 1] [--repeats 1] [--out FILE]
 (``--model`` may be given twice; without it both models run, demo first.)
 """
 
@@ -403,20 +406,86 @@ def header(argv: list[str], load: tuple[float, float, float], threads: int) -> s
     )
 
 
-def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: str, eval_jobs: int = 1) -> str:
-    """Both ways on one checkpoint, in a temporary folder; the tables."""
+@dataclass(frozen=True)
+class Pair:
+    """One repeat: both ways, and which ran first."""
+
+    hand: Way
+    qy: Way
+    quantyard_first: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.qy.total_s / self.hand.total_s
+
+
+def first_is_quantyard(repeat: int) -> bool:
+    """Repeats alternate which way runs first (the first repeat: llama.cpp), so that a machine that slows down or
+    speeds up over the run does not favour one way in every pair."""
+    return repeat % 2 == 1
+
+
+def repeats_summary(pairs: list[Pair]) -> str:
+    """Each pair's ratio and steal, and the median ratio (the middle one; the mean of the two middle ones for an
+    even count)."""
+    ratios = sorted(p.ratio for p in pairs)
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    out = [f"### {len(pairs)} repeats, alternating which way ran first", "",
+           "| repeat | first | llama.cpp s | quantyard s | ratio | steal s, llama.cpp / quantyard |",
+           "|---:|---|---:|---:|---:|---|"]
+    for i, p in enumerate(pairs, 1):
+        steal = "/".join(f"{w.load.steal_s:.1f}" if w.load else "?" for w in (p.hand, p.qy))
+        out.append(f"| {i} | {'quantyard' if p.quantyard_first else 'llama.cpp'} | {p.hand.total_s:.1f} | "
+                   f"{p.qy.total_s:.1f} | {p.ratio:.3f} | {steal} |")
+    out += ["", f"**median ratio {median:.3f}** over {len(pairs)} pairs (range {ratios[0]:.3f}-{ratios[-1]:.3f})"]
+    return "\n".join(out)
+
+
+def one_pair(name: str, ckpt: Path, tools: LlamaCppToolchain, cfg: Settings, root: Path, windows: int, threads: int,
+             reference: str, eval_jobs: int, quantyard_first: bool) -> tuple[Way, Way]:
+    """Both ways once, in ``root``, in the order asked; (llama.cpp's, Quantyard's)."""
+    (root / "llama").mkdir()
+    (root / "quantyard").mkdir()
+
+    def hand_way() -> Way:
+        print(f"[{name}] llama.cpp by hand ...", file=sys.stderr, flush=True)
+        return measured_load(lambda: by_hand(ckpt, tools, cfg.core_python, root / "llama", windows, threads))
+
+    def qy_way() -> Way:
+        print(f"[{name}] quantyard convert ...", file=sys.stderr, flush=True)
+        return measured_load(lambda: quantyard(ckpt, cfg, root / "quantyard", windows, threads, reference,
+                                               eval_jobs))
+
+    if quantyard_first:
+        qy = qy_way()
+        return hand_way(), qy
+    hand = hand_way()
+    return hand, qy_way()
+
+
+def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: str, eval_jobs: int = 1,
+              repeats: int = 1) -> str:
+    """Both ways on one checkpoint, ``repeats`` times (:func:`first_is_quantyard`), each repeat in a temporary
+    folder of its own; the tables of every repeat, and with several the summary (:func:`repeats_summary`)."""
     ckpt = checkpoint(name, cfg)
     tools = llama_cpp_toolchain(cfg)
     tools.meta()  # fail now, not after the first way, when the converter is missing
-    with tempfile.TemporaryDirectory(dir=cfg.work_root, prefix="bench-vs-llamacpp-") as tmp:
-        root = Path(tmp)
-        (root / "llama").mkdir()
-        (root / "quantyard").mkdir()
-        print(f"[{name}] llama.cpp by hand ...", file=sys.stderr, flush=True)
-        hand = measured_load(lambda: by_hand(ckpt, tools, cfg.core_python, root / "llama", windows, threads))
-        print(f"[{name}] quantyard convert ...", file=sys.stderr, flush=True)
-        qy = measured_load(lambda: quantyard(ckpt, cfg, root / "quantyard", windows, threads, reference, eval_jobs))
-    return tables(f"{name} ({ckpt}), Quantyard's reference: {reference}", windows, hand, qy, reference)
+    parts, pairs = [], []
+    for r in range(repeats):
+        with tempfile.TemporaryDirectory(dir=cfg.work_root, prefix="bench-vs-llamacpp-") as tmp:
+            hand, qy = one_pair(name, ckpt, tools, cfg, Path(tmp), windows, threads, reference, eval_jobs,
+                                first_is_quantyard(r))
+        pairs.append(Pair(hand, qy, first_is_quantyard(r)))
+        label = f"{name} ({ckpt}), Quantyard's reference: {reference}"
+        if repeats > 1:
+            label += f"; repeat {r + 1} of {repeats}, {'Quantyard' if first_is_quantyard(r) else 'llama.cpp'} first"
+        parts.append(tables(label, windows, hand, qy, reference))
+        if repeats > 1:  # each pair as it ends (main prints them all at the end)
+            print(parts[-1] + "\n", file=sys.stderr, flush=True)
+    if repeats > 1:
+        parts.append(repeats_summary(pairs))
+    return "\n\n".join(parts)
 
 
 def main() -> None:
@@ -429,13 +498,17 @@ def main() -> None:
     ap.add_argument("--eval-jobs", type=int, default=1,
                     help="Quantyard's --eval-jobs (default 1: one after another, as by hand; 0: all at once)")
     ap.add_argument("--out", type=Path, default=None, help="also write the tables, with a header, here")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run both ways N times, alternating which goes first; print each pair and the median ratio")
     args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats: expected 1 or more, got {args.repeats}")
     load = os.getloadavg()
     cfg = Settings(threads=args.threads)
     parts = [header(sys.argv, load, args.threads)]
     print(parts[0] + "\n", flush=True)
     for name in args.model or ["demo", "real"]:
-        parts.append(run_model(name, cfg, args.windows, args.threads, args.reference, args.eval_jobs))
+        parts.append(run_model(name, cfg, args.windows, args.threads, args.reference, args.eval_jobs, args.repeats))
         print(parts[-1] + "\n", flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
