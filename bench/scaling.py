@@ -606,13 +606,13 @@ def report(runs: list[SizeRun], ram: float, gpu: GpuModel, job: Job) -> list[str
     if absent:
         parts.append(f"No extrapolation: no fit for {', '.join(absent)} (measure at least two sizes).")
         return parts
+    text = "## EXTRAPOLATED to larger models (from the fits above; nothing below was measured)\n\n"
     if gpu.measured is None:
-        parts.append("## EXTRAPOLATED to larger models (from the fits above; nothing below was measured)\n\n"
-                     f"GPU column: ESTIMATE, no GPU measurement exists. Assumption: {gpu.assumption()}.")
+        text += f"GPU column: ESTIMATE, no GPU measurement exists. Assumption: {gpu.assumption()}."
     else:
-        parts.append("## EXTRAPOLATED to larger models (from the fits above; nothing below was measured)\n\n"
-                     f"GPU column: ESTIMATE, in part from a GPU measurement. Assumption: {gpu.assumption()}.\n\n"
-                     "The GPU column's reference, at the sizes it was measured at:\n\n" + "\n".join(gpu.check()))
+        text += (f"GPU column: ESTIMATE, in part from a GPU measurement. Assumption: {gpu.assumption()}.\n\n"
+                 "The GPU column's reference, at the sizes it was measured at:\n\n" + "\n".join(gpu.check()))
+    parts.append(text)
     parts += [job_table(fits, t, job, ram, gpu) for t in TARGETS]
     return parts
 

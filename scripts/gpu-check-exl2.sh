@@ -101,10 +101,14 @@ golden_cpu_test() {
     "$PY" -m pytest tests/converters/test_exl2_golden.py -v -rs -p no:cacheprovider
 }
 
-env_setup() {  # what every step after the install needs, the same in each call (subcommands below)
+out_setup() {  # $OUT and its summary file; $1 = new: start the summary afresh
     OUT=${OUT:-$PWD/gpu-out}
     mkdir -p "$OUT"
-    touch "$OUT/exl2-summary.txt"
+    if [ "${1:-}" = new ]; then : > "$OUT/exl2-summary.txt"; else touch "$OUT/exl2-summary.txt"; fi
+}
+
+env_setup() {  # what every step after the install needs, the same in each call (subcommands below)
+    out_setup
     # The cache (conversions, measurements) and the compiled extension stay in the ignored carry folder, which a
     # warm device keeps between calls; only logs, results and the golden fixtures go to $OUT (they come back).
     export QUANTYARD_CACHE_DIR="$PWD/$CARRY-cache" QUANTYARD_THREADS="$(nproc)"
@@ -120,9 +124,7 @@ env_setup() {  # what every step after the install needs, the same in each call 
 }
 
 dry_run() {
-    OUT=${OUT:-$PWD/gpu-out}
-    mkdir -p "$OUT"
-    : > "$OUT/exl2-summary.txt"
+    out_setup new
     echo "dry run: no GPU steps; the GPU tests must be skipped with their reason"
     unset QUANTYARD_EXL2_PYTHON QUANTYARD_CACHE_DIR
     step gpu-tests gpu_tests
@@ -132,9 +134,7 @@ dry_run() {
 }
 
 install_step() {  # the carried wheels into $CARRY/site, and what the machine has
-    OUT=${OUT:-$PWD/gpu-out}
-    mkdir -p "$OUT"
-    : > "$OUT/exl2-summary.txt"
+    out_setup new
     nvidia-smi | tee "$OUT/exl2-nvidia-smi.txt"
     "$PY" -c "import torch, transformers, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'numpy', numpy.__version__, torch.cuda.get_device_name(0))"
