@@ -13,17 +13,16 @@ When every stage is reused (or, for a feeder, not needed) the report is the one 
 built by the same :func:`flows.graph.report`, with ``ledger_only`` set: no Prefect import, no flow run, no
 table artifacts, nothing written. Otherwise, and always with ``force``, the flow runs as before.
 
-This module imports no Prefect; :func:`convert` imports the flow only when a stage has to run, and then
-starts Prefect's embedded server in a thread while it resolves the source (:func:`start_embedded_server`).
+This module imports no Prefect; :func:`convert` imports the flow only when a stage has to run, and starts
+Prefect's embedded server in a child process first (flows/embedded.py), so that it starts while the source is
+resolved here.
 """
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 
-from flows import steps
+from flows import embedded, steps
 from flows.graph import StageOutcome, build_graph, decide, report
 from flows.ledger import pin_source
 from pipeline.config import Settings
@@ -73,49 +72,26 @@ def _as_resolved(pinned: SourceRef, resolve: StageOutcome) -> SourceRef:
     return recorded if pinned.kind == SourceKind.HUB and recorded.identity == pinned.identity else pinned
 
 
-def start_embedded_server() -> threading.Thread | None:
-    """Start Prefect's embedded server (the temporary one a flow starts when no ``PREFECT_API_URL`` is set)
-    in a thread, so that its start (about 8 s on 2 cores: a uvicorn process importing Prefect's server)
-    overlaps the work done before the flow: importing the flow, resolving the source. The flow's client
-    then finds the same server running (Prefect keeps one per process). A start that fails is left to the
-    flow, which starts it again and fails in its own words. None when a server is configured."""
-
-    def start() -> None:
-        from prefect.server.api.server import SubprocessASGIServer
-        from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-        if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-            return
-        try:
-            SubprocessASGIServer().start()
-        except Exception:  # the flow's own start says what went wrong
-            return
-
-    if os.environ.get("PREFECT_API_URL"):
-        return None
-    thread = threading.Thread(target=start, name="prefect-embedded-server", daemon=True)
-    thread.start()
-    return thread
-
-
 def convert(plan: Plan, settings: Settings) -> ConvertReport:
     """Run ``plan`` with the embedded executor (``flows.quantize.convert_flow``), unless the stage ledger
     already holds every stage of it: then its report without starting Prefect (:func:`settled_report`).
-    When it runs, Prefect's embedded server starts in a thread while the source is resolved here
+    When it runs, Prefect's embedded server starts in a child process while the source is resolved here
     (:func:`flows.steps.preresolve`); the flow takes that resolution instead of resolving again, and a
     source that fails its checks stops the run before the flow starts. Raises what the flow raises."""
     settled = settled_report(plan, settings)
     if settled is not None:
         return settled
     t0 = time.perf_counter()
-    server = start_embedded_server()
+    server = embedded.start(settings.logs_root)
     try:
         with stage("resolve", plan.source.source):  # a source that fails its checks stops here, before the flow
             steps.preresolve(steps.resolve_backends(plan, settings), settings)
+        if server is not None:
+            server.decision()  # before Prefect is imported: PREFECT_API_URL must name the server by then
         from flows.quantize import convert_flow  # Prefect is imported, and its server started, only for work
 
         if server is not None:
-            server.join()  # the flow must not call a server that is still starting
+            server.ready()  # the flow must not call a server that is still starting
         out = convert_flow(plan, settings)
     finally:
         steps.forget_preresolved()

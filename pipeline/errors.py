@@ -224,6 +224,14 @@ class StageError(QuantyardError, RuntimeError):
                     "orchestration again: finished stages are reused")
 
 
+class OrchestratorError(QuantyardError, RuntimeError):
+    """Prefect's embedded server, started for a run of this process (flows/embedded.py), failed to start."""
+
+    code = "orchestrator_error"
+    exit_code = EXIT_ENGINE
+    default_hint = "read the server's log named in the message; or set PREFECT_API_URL to a running Prefect server"
+
+
 class DiskFullError(QuantyardError, OSError):
     code = "disk_full"
 

@@ -39,7 +39,7 @@ KEEP_DAYS = 14
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: ask the kernel to SIGKILL us when our parent dies, so a crashed or
     killed flow never leaves converters or engines running (and writing) behind it."""
     if _prctl is not None:
@@ -152,7 +152,7 @@ def run_logged(cmd: Sequence[str], *, log_dir: Path, name: str, timeout_s: float
         proc = subprocess.Popen(
             list(cmd), stdout=out, stderr=err, env=dict(env) if env is not None else None,
             stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
-            cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent,
+            cwd=cwd, start_new_session=True, preexec_fn=die_with_parent,
         )
         try:
             proc.communicate(stdin_text.encode() if stdin_text is not None else None, timeout=timeout_s)

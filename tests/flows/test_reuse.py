@@ -164,7 +164,8 @@ def _servers_of(home: Path) -> list[int]:
 def test_a_cli_run_without_a_server_starts_the_embedded_one_alongside_resolving(
         demo_model: Path, cache_dir: Path, tmp_path: Path) -> None:
     """``quantyard convert`` with no PREFECT_API_URL (``make demo``): Prefect's embedded server starts in a
-    thread while the source is resolved (flows/reuse.py), the flow runs on it, and nothing is left running."""
+    child while the source is resolved (flows/reuse.py, flows/embedded.py), the flow runs on it, and nothing
+    is left running."""
     home = tmp_path / "prefect"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(home), QUANTYARD_WORK_DIR=str(tmp_path / "work"), QUANTYARD_CACHE_DIR=str(cache_dir))

@@ -1,0 +1,186 @@
+"""Prefect's embedded server for the runs of this process, started without importing Prefect's server here.
+
+With no Prefect API URL configured, a Prefect flow starts a temporary server of its own: it imports
+``prefect.server.api.server`` in the calling process (about 5 s of one core, holding the GIL) only to launch
+``uvicorn`` on that module's app in a child, which imports it again. Measured on 2 cores (real checkpoint),
+that import ran in a thread beside the source's resolution and held it back: for the first 6 s one core
+worked and the other idled, because the child was not launched yet.
+
+:func:`start` launches the child at once, before Prefect is imported here (``python -m flows.embedded``). The
+child reads Prefect's settings the way Prefect does (environment, profile, ``prefect.toml``) and says on its
+first line of output what it decided:
+
+- ``configured``: a Prefect API URL is set; the child exits and flows use that server;
+- ``off``: Prefect's temporary server is turned off (``server.ephemeral.enabled`` false); the child exits and a
+  flow fails in Prefect's words;
+- ``url <URL>``: it serves Prefect's server app on a loopback port it holds, as Prefect's own temporary server
+  does (no UI, no background services).
+
+:meth:`Embedded.decision` reads that line and, for a URL, sets ``PREFECT_API_URL`` so Prefect, imported after it,
+uses this server. :meth:`Embedded.ready` waits for its health endpoint before a flow runs. One server serves
+every run of the process (a recipe runs several); it is stopped when the process exits, and dies with the
+process when that is killed (``PR_SET_PDEATHSIG``), where Prefect's own temporary server outlives a killed
+client. Where Prefect is already imported in this process (a test, a library user) its settings are fixed, so
+:func:`start` starts nothing and a flow starts Prefect's own server, as before.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import OrchestratorError
+from pipeline.proc import child_env, die_with_parent
+
+#: How long the child may take to decide, and the server to answer its health check (a cold start included).
+READY_TIMEOUT_S = 120.0
+CONFIGURED, OFF = "configured", "off"
+
+
+@dataclass
+class Embedded:
+    """The child: its process, its log, and (once read) its decision."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str | None = None
+    decided: str | None = None
+    healthy: bool = False
+
+    def decision(self, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """The child's decision (``configured``, ``off`` or ``url``), read once; for ``url``, ``PREFECT_API_URL``
+        now names the server. Call it before Prefect is imported.
+
+        Raises:
+            OrchestratorError: the child exited or said nothing within ``timeout_s``.
+        """
+        if self.decided is not None:
+            return self.decided
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline().decode(errors="replace").strip() if ready else ""
+        self.proc.stdout.close()
+        word, _, url = line.partition(" ")
+        if word not in (CONFIGURED, OFF, "url") or (word == "url" and not url):
+            self._fail(f"Prefect's embedded server did not start: its launcher said {line!r}")
+        self.decided = word
+        if word == "url":
+            self.url = url
+            os.environ["PREFECT_API_URL"] = url
+        return word
+
+    def ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Wait until the server answers its health check (at once once it has). Nothing to wait for where the
+        child decided not to serve.
+
+        Raises:
+            OrchestratorError: it exited, or did not answer within ``timeout_s``.
+        """
+        if self.decision(timeout_s) != "url" or self.healthy:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy:
+            if self.proc.poll() is not None:
+                self._fail(f"Prefect's embedded server exited with code {self.proc.returncode} before it answered")
+            if time.monotonic() > deadline:
+                self._fail(f"Prefect's embedded server did not answer {self.url}/health within {timeout_s:.0f} s")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    self.healthy = resp.status == 200
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.05)
+
+    def _fail(self, message: str) -> None:
+        stop()
+        tail = self.log.read_text(errors="replace")[-2000:] if self.log.is_file() else ""
+        raise OrchestratorError(f"{message}; its log {self.log} ends: {tail.strip() or '(empty)'}",
+                                hint="read that log; or set PREFECT_API_URL to a running Prefect server")
+
+
+_SERVER: Embedded | None = None
+
+
+def current() -> Embedded | None:
+    """The child :func:`start` launched in this process, if any."""
+    return _SERVER
+
+
+def start(log_dir: Path) -> Embedded | None:
+    """Launch the child (once per process); it decides and starts while the caller goes on. None, launching
+    nothing, when ``PREFECT_API_URL`` is set or Prefect is already imported here."""
+    global _SERVER
+    if _SERVER is not None:
+        return _SERVER
+    if os.environ.get("PREFECT_API_URL") or "prefect" in sys.modules:
+        return None
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"prefect-embedded-{os.getpid()}.log"
+    # an ephemeral server (no UI, no background services), the only app of its process: Prefect's own settings
+    env = child_env({"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"})
+    with log.open("ab") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.embedded"], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=err,
+                                preexec_fn=die_with_parent)
+    _SERVER = Embedded(proc=proc, log=log)
+    atexit.register(stop)
+    return _SERVER
+
+
+def stop() -> None:
+    """Stop this process's child (SIGTERM, then SIGKILL after 5 s, as Prefect stops its own) and forget it;
+    its log is kept where it holds something (the server logs errors only)."""
+    global _SERVER
+    server, _SERVER = _SERVER, None
+    if server is None:
+        return
+    if server.url is not None and os.environ.get("PREFECT_API_URL") == server.url:
+        del os.environ["PREFECT_API_URL"]
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+    if server.log.is_file() and server.log.stat().st_size == 0:
+        server.log.unlink()  # it logged nothing (errors only): nothing to keep
+
+
+def _serve() -> None:
+    """The child: decide from Prefect's settings, say so on stdout, and serve when it is ours to."""
+    import socket
+
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url:
+        print(CONFIGURED, flush=True)
+        return
+    if not settings.server.ephemeral.enabled:
+        print(OFF, flush=True)
+        return
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # held from here on: no other process can take the port before uvicorn serves
+    sock.listen(128)
+    print(f"url http://127.0.0.1:{sock.getsockname()[1]}/api", flush=True)
+    os.dup2(2, 1)  # nothing reads stdout any more: anything printed goes to the log
+    config = uvicorn.Config("prefect.server.api.server:create_app", factory=True, log_level="error", lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    _serve()
+
+
+__all__ = ["CONFIGURED", "OFF", "READY_TIMEOUT_S", "Embedded", "current", "start", "stop"]

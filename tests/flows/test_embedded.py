@@ -1,0 +1,146 @@
+"""flows/embedded.py: Prefect's embedded server launched before Prefect is imported, its child deciding from
+Prefect's own settings, the server stopped at exit and killed with a killed parent. Each case runs in a fresh
+interpreter (the module refuses to start where Prefect is imported, as it is in this test process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil  # type: ignore[import-untyped]
+import pytest
+
+from flows import embedded
+from pipeline.errors import OrchestratorError
+from pipeline.proc import REPO_ROOT
+
+#: Starts the server in a fresh interpreter, reports what it decided (and, once healthy, its URL and pid).
+SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+from flows import embedded
+from pipeline.errors import OrchestratorError
+server = embedded.start(Path(sys.argv[1]))
+out = {"started": server is not None}
+if server is not None:
+    out["decision"] = server.decision()
+    out["api_url_env"] = os.environ.get("PREFECT_API_URL")
+    try:
+        server.ready()
+        out["pid"] = server.proc.pid
+        import prefect.settings
+        out["prefect_api_url"] = prefect.settings.PREFECT_API_URL.value()
+    except OrchestratorError as exc:
+        out["error"] = exc.to_dict()
+print(json.dumps(out), flush=True)
+if sys.argv[2:] == ["hold"]:
+    time.sleep(600)
+"""
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO_ROOT), **extra)
+    return env
+
+
+def _run(tmp_path: Path, **extra: str) -> dict[str, object]:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "logs")], env=_env(tmp_path / "home", **extra),
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _servers(home: Path) -> list[int]:
+    """Live processes whose environment names this PREFECT_HOME and that run the launcher module."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if "flows.embedded" in (p.info["cmdline"] or []) and p.environ().get("PREFECT_HOME") == str(home):
+                found.append(p.info["pid"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_a_server_named_by_the_active_profile_is_used_and_nothing_is_started(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "profiles.toml").write_text('active = "remote"\n\n[profiles.remote]\n'
+                                        'PREFECT_API_URL = "http://127.0.0.1:9/api"\n')
+    out = _run(tmp_path)
+    assert out["decision"] == "configured" and out["api_url_env"] is None, out
+    assert out["prefect_api_url"] == "http://127.0.0.1:9/api" and "pid" in out
+    assert not (home / "prefect.db").exists()
+
+
+def test_with_the_temporary_server_turned_off_it_starts_nothing(tmp_path: Path) -> None:
+    out = _run(tmp_path, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="false")
+    assert out["decision"] == "off" and out["api_url_env"] is None, out
+    assert not (tmp_path / "home" / "prefect.db").exists()
+
+
+def test_a_server_that_cannot_start_is_a_typed_error_naming_its_log(tmp_path: Path) -> None:
+    bad = f"sqlite+aiosqlite:///{tmp_path / 'no-such-folder' / 'prefect.db'}"
+    out = _run(tmp_path, PREFECT_API_DATABASE_CONNECTION_URL=bad)
+    assert out["decision"] == "url", out
+    error = out["error"]
+    assert isinstance(error, dict) and error["type"] == "OrchestratorError", out
+    assert "exited with code" in str(error["message"]) and str(tmp_path / "logs") in str(error["message"])
+    assert _servers(tmp_path / "home") == []
+
+
+def test_without_a_configured_server_it_serves_prefect_and_dies_with_a_killed_parent(tmp_path: Path) -> None:
+    """The child serves Prefect's server app and Prefect, imported after the decision, uses it. SIGKILL then
+    leaves no exit handler to run: the server goes because the kernel kills it (PR_SET_PDEATHSIG). (A normal
+    exit stops it too: tests/flows/test_reuse.py, the CLI run without a server.)"""
+    home = tmp_path / "home"
+    parent = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "logs"), "hold"], env=_env(home),
+                              stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert parent.stdout is not None
+        out = json.loads(parent.stdout.readline())
+        assert out["started"] and out["decision"] == "url" and "error" not in out, out
+        url = str(out["api_url_env"])
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/api")
+        assert out["prefect_api_url"] == url
+        assert (home / "prefect.db").is_file()  # Prefect's server app made its database
+        pid = int(out["pid"])
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            assert resp.status == 200
+        assert _servers(home) == [pid]
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the embedded server outlived its killed parent"
+            time.sleep(0.1)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in _servers(home):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_it_starts_nothing_where_prefect_is_imported_or_a_server_is_set(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import prefect  # noqa: F401 - imported, as in this test process: its settings can no longer be redirected
+
+    assert embedded.start(tmp_path) is None and embedded.current() is None
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    monkeypatch.delitem(sys.modules, "prefect")
+    assert embedded.start(tmp_path) is None and embedded.current() is None
+
+
+def test_an_unreadable_decision_is_a_typed_error(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "print('hello')"], stdout=subprocess.PIPE)
+    server = embedded.Embedded(proc=proc, log=tmp_path / "none.log")
+    with pytest.raises(OrchestratorError, match="its launcher said 'hello'"):
+        server.decision(timeout_s=30)
+    proc.wait()
