@@ -99,19 +99,32 @@ class Embedded:
             except (OSError, urllib.error.URLError):
                 time.sleep(0.05)
 
+    def stop(self) -> None:
+        """Stop the child (SIGTERM, then SIGKILL after 5 s, as Prefect stops its own); its log is kept where it
+        holds something (the server logs errors only). The process's server is then forgotten, if it is this."""
+        global _SERVER
+        if _SERVER is self:
+            _SERVER = None
+        if self.url is not None and os.environ.get("PREFECT_API_URL") == self.url:
+            del os.environ["PREFECT_API_URL"]
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log.is_file() and self.log.stat().st_size == 0:
+            self.log.unlink()  # it logged nothing (errors only): nothing to keep
+
     def _fail(self, message: str) -> None:
-        stop()
+        self.stop()
         tail = self.log.read_text(errors="replace")[-2000:] if self.log.is_file() else ""
         raise OrchestratorError(f"{message}; its log {self.log} ends: {tail.strip() or '(empty)'}",
                                 hint="read that log; or set PREFECT_API_URL to a running Prefect server")
 
 
 _SERVER: Embedded | None = None
-
-
-def current() -> Embedded | None:
-    """The child :func:`start` launched in this process, if any."""
-    return _SERVER
 
 
 def start(log_dir: Path) -> Embedded | None:
@@ -136,23 +149,9 @@ def start(log_dir: Path) -> Embedded | None:
 
 
 def stop() -> None:
-    """Stop this process's child (SIGTERM, then SIGKILL after 5 s, as Prefect stops its own) and forget it;
-    its log is kept where it holds something (the server logs errors only)."""
-    global _SERVER
-    server, _SERVER = _SERVER, None
-    if server is None:
-        return
-    if server.url is not None and os.environ.get("PREFECT_API_URL") == server.url:
-        del os.environ["PREFECT_API_URL"]
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
-    if server.log.is_file() and server.log.stat().st_size == 0:
-        server.log.unlink()  # it logged nothing (errors only): nothing to keep
+    """Stop this process's server, if it started one (:meth:`Embedded.stop`); run at exit."""
+    if _SERVER is not None:
+        _SERVER.stop()
 
 
 def _serve() -> None:
@@ -183,4 +182,4 @@ if __name__ == "__main__":
     _serve()
 
 
-__all__ = ["CONFIGURED", "OFF", "READY_TIMEOUT_S", "Embedded", "current", "start", "stop"]
+__all__ = ["CONFIGURED", "OFF", "READY_TIMEOUT_S", "Embedded", "start", "stop"]

@@ -233,6 +233,12 @@ def procs_where(name: str, test: Callable[[bytes], bool]) -> list[int]:
     return pids
 
 
+def procs_with_env(name: str, value: str) -> list[int]:
+    """Processes, other than this one, whose environment sets ``name`` to exactly ``value``."""
+    entry = f"{name}={value}".encode()
+    return procs_where("environ", lambda env: entry in env.split(b"\0"))
+
+
 def pids_with(needle: bytes, any_of: tuple[bytes, ...] = (b"",)) -> list[int]:
     """Processes whose command line holds ``needle`` and one of ``any_of``."""
     return procs_where("cmdline", lambda cmd: needle in cmd and any(m in cmd for m in any_of))

@@ -19,6 +19,7 @@ import pytest
 from flows import embedded
 from pipeline.errors import OrchestratorError
 from pipeline.proc import REPO_ROOT
+from tests.conftest import pids_with, procs_with_env
 
 #: Starts the server in a fresh interpreter, reports what it decided (and, once healthy, its URL and pid).
 SCRIPT = """
@@ -58,15 +59,8 @@ def _run(tmp_path: Path, **extra: str) -> dict[str, object]:
 
 
 def _servers(home: Path) -> list[int]:
-    """Live processes whose environment names this PREFECT_HOME and that run the launcher module."""
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if "flows.embedded" in (p.info["cmdline"] or []) and p.environ().get("PREFECT_HOME") == str(home):
-                found.append(p.info["pid"])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
+    """Live launcher processes (``python -m flows.embedded``) whose environment names this PREFECT_HOME."""
+    return sorted(set(procs_with_env("PREFECT_HOME", str(home))) & set(pids_with(b"flows.embedded")))
 
 
 def test_a_server_named_by_the_active_profile_is_used_and_nothing_is_started(tmp_path: Path) -> None:
@@ -132,10 +126,13 @@ def test_it_starts_nothing_where_prefect_is_imported_or_a_server_is_set(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     import prefect  # noqa: F401 - imported, as in this test process: its settings can no longer be redirected
 
-    assert embedded.start(tmp_path) is None and embedded.current() is None
+    launchers = set(pids_with(b"flows.embedded"))
+    assert embedded.start(tmp_path) is None
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
     monkeypatch.delitem(sys.modules, "prefect")
-    assert embedded.start(tmp_path) is None and embedded.current() is None
+    assert embedded.start(tmp_path) is None
+    assert not list(tmp_path.iterdir())  # no launcher log: nothing was launched
+    assert set(pids_with(b"flows.embedded")) <= launchers
 
 
 def test_an_unreadable_decision_is_a_typed_error(tmp_path: Path) -> None:

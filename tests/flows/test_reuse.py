@@ -27,7 +27,7 @@ from pipeline.config import Settings
 from pipeline.plan import Plan
 from pipeline.progress import Event, listening
 from pipeline.results import ConvertReport
-from tests.conftest import make_settings, procs_where, registry_snapshot
+from tests.conftest import make_settings, procs_with_env, registry_snapshot
 
 #: The small convert, as CLI flags (the CLI test) and as the plan they make (the others).
 FLAGS = ("--gguf", "Q8_0", "--max-windows", "4", "--no-speed", "--threads", "2")
@@ -156,11 +156,6 @@ def test_a_source_that_fails_its_checks_stops_before_the_flow(finished: First, t
     assert steps._PRERESOLVED == {}
 
 
-def _servers_of(home: Path) -> list[int]:
-    """Processes whose environment names this PREFECT_HOME (Prefect's embedded server inherits it)."""
-    return procs_where("environ", lambda env: f"PREFECT_HOME={home}".encode() in env.split(b"\0"))
-
-
 def test_a_cli_run_without_a_server_starts_the_embedded_one_alongside_resolving(
         demo_model: Path, cache_dir: Path, tmp_path: Path) -> None:
     """``quantyard convert`` with no PREFECT_API_URL (``make demo``): Prefect's embedded server starts in a
@@ -177,7 +172,7 @@ def test_a_cli_run_without_a_server_starts_the_embedded_one_alongside_resolving(
     assert not report["ledger_only"] and report["variants"][0]["status"] == "registered"
     assert [s["status"] for s in report["stages"]] == ["ran"] * len(report["stages"])
     assert (home / "prefect.db").is_file()  # the embedded server's database: the flow ran on that server
-    assert _servers_of(home) == []
+    assert procs_with_env("PREFECT_HOME", str(home)) == []  # the embedded server inherits it
 
 
 def test_a_cli_rerun_imports_no_prefect_and_says_so(finished: First, demo_model: Path) -> None:
