@@ -55,6 +55,64 @@ def block_rows(vocab: int) -> int:
     return max(1, min(BLOCK, BLOCK_ELEMENTS // max(1, vocab)))
 
 
+#: Blocks per top-K entry in :func:`top_k_rows`' bound: more blocks, a tighter bound (fewer candidates), a
+#: dearer bound. 16 left 32 to 76 candidates per row for the top 32 of SmolLM2's 49,152 logits.
+TOPK_BLOCKS_PER_K = 16
+#: Rows with more candidates than this (flat rows, mostly -inf rows) take np.argpartition instead.
+TOPK_MAX_CANDIDATES = 4096
+
+
+def top_k_rows(x: np.ndarray, k: int) -> np.ndarray:
+    """The column ids of each row's ``k`` largest values, int64 [n, k], largest first, equal values in
+    ascending id order (also at the ``k``-th value: which of equal values make the cut is fixed).
+
+    Selecting over the whole row (``np.argpartition``) is most of a reference's scoring cost at a 49k
+    vocabulary. Instead: cut the row into ``TOPK_BLOCKS_PER_K * k`` blocks and take the ``k``-th largest of
+    their maxima. ``k`` blocks hold a value at least that large, so the row's ``k``-th largest value is at
+    least as large too, and every value of the top ``k`` is at or above it: only those candidates (a few
+    dozen, usually) are sorted. Measured on SmolLM2-135M's logits (255 rows × 49,152, top 32): 0.034 s
+    against 0.10 s for ``np.argpartition`` (which, besides, breaks ties at the K-th value arbitrarily).
+    Rows holding NaN, rows with more than ``TOPK_MAX_CANDIDATES`` candidates and vocabularies too small
+    to block are sorted whole (:func:`_top_k_sorted`; NaN sorts last).
+    """
+    n, v = x.shape
+    k = min(k, v)
+    width = v // (TOPK_BLOCKS_PER_K * k) if k else 0
+    if n == 0 or width < 2:
+        return _top_k_sorted(x, k)
+    whole = (v // width) * width
+    maxima = x[:, :whole].reshape(n, whole // width, width).max(axis=2)
+    if whole < v:
+        maxima = np.concatenate([maxima, x[:, whole:].max(axis=1, keepdims=True)], axis=1)
+    bound = np.partition(maxima, maxima.shape[1] - k, axis=1)[:, maxima.shape[1] - k]
+    rows, cols = np.nonzero(x >= bound[:, None])  # row-major: ascending ids within a row
+    counts = np.bincount(rows, minlength=n)
+    slow = np.isnan(maxima).any(axis=1) | (counts > TOPK_MAX_CANDIDATES) | (counts < k)
+    out = np.empty((n, k), dtype=np.int64)
+    if slow.any():
+        out[slow] = _top_k_sorted(x[slow], k)
+        keep = ~slow[rows]
+        rows, cols = rows[keep], cols[keep]
+        counts[slow] = 0
+    fast = np.flatnonzero(~slow)
+    if len(fast):
+        width_c = int(counts.max())
+        starts = np.cumsum(counts) - counts
+        slot = np.arange(len(rows)) - starts[rows]
+        values = np.full((n, width_c), -np.inf, dtype=np.float64)
+        ids = np.zeros((n, width_c), dtype=np.int64)
+        values[rows, slot] = x[rows, cols]
+        ids[rows, slot] = cols
+        order = np.argsort(-values[fast], axis=1, kind="stable")[:, :k]  # candidates first: padding is -inf last
+        out[fast] = np.take_along_axis(ids[fast], order, axis=1)
+    return out
+
+
+def _top_k_sorted(x: np.ndarray, k: int) -> np.ndarray:
+    """:func:`top_k_rows` by sorting whole rows (a stable sort: equal values in id order; NaN last)."""
+    return np.argsort(-x.astype(np.float64), axis=1, kind="stable")[:, :k]
+
+
 def read_request() -> dict[str, Any]:
     if len(sys.argv) != 2:
         raise SystemExit(f"usage: python -m {sys.argv[0]} REQUEST.json")
@@ -391,12 +449,9 @@ class Collector:
         out = {"target_logprob": x[np.arange(n), targets].astype(np.float64) - lse,
                "top1": np.argmax(x, axis=1).astype(np.int32)}
         if self.own_topk:
-            k = min(self.top_k, x.shape[1])
-            part = np.argpartition(x, x.shape[1] - k, axis=1)[:, -k:]
-            part_lp = np.take_along_axis(x, part, axis=1).astype(np.float64) - lse[:, None]
-            order = np.argsort(-part_lp, axis=1, kind="stable")
-            topk_lp = np.take_along_axis(part_lp, order, axis=1)
-            out["topk_ids"] = np.take_along_axis(part, order, axis=1).astype(np.int32)
+            ids = top_k_rows(x, self.top_k)
+            topk_lp = np.take_along_axis(x, ids, axis=1).astype(np.float64) - lse[:, None]
+            out["topk_ids"] = ids.astype(np.int32)
             out["topk_logprobs"] = topk_lp.astype(np.float32)
             out["tail_logprob"] = _log_rest(topk_lp)
         if self.store_full is not None:
