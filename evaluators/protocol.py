@@ -58,7 +58,7 @@ def block_rows(vocab: int) -> int:
 #: Blocks per top-K entry in :func:`top_k_rows`' bound: more blocks, a tighter bound (fewer candidates), a
 #: dearer bound. 16 left 32 to 76 candidates per row for the top 32 of SmolLM2's 49,152 logits.
 TOPK_BLOCKS_PER_K = 16
-#: Rows with more candidates than this (flat rows, mostly -inf rows) take np.argpartition instead.
+#: Rows with more candidates than this (flat rows, mostly -inf rows) are sorted whole instead.
 TOPK_MAX_CANDIDATES = 4096
 
 
