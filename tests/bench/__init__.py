@@ -1,4 +1,5 @@
-"""Tests of the bench scripts' pure parts. The scripts are not a package: :func:`load_script` loads one."""
+"""Tests of the bench scripts: their bookkeeping, and one end-to-end run. The scripts are not a package:
+:func:`load_script` loads one."""
 
 from __future__ import annotations
 
