@@ -176,12 +176,13 @@ def checkpoint(name: str, cfg: Settings) -> Path:
     return checkpoint_folder(name)
 
 
-def checkpoint_folder(name: str) -> Path:
-    """``--model PATH``: a local checkpoint folder. Raises SystemExit when ``name`` is not one."""
+def checkpoint_folder(name: str, option: str = "--model", builtin: str = "demo, real") -> Path:
+    """``--model PATH``: a local checkpoint folder. Raises SystemExit, naming ``option`` and the ``builtin``
+    names it also takes, when ``name`` is not one."""
     folder = Path(name).expanduser()
     if not (folder / "config.json").is_file():
         found = "a folder without a config.json" if folder.is_dir() else "no such folder"
-        raise SystemExit(f"--model {name}: expected demo, real or a local Hugging Face checkpoint folder "
+        raise SystemExit(f"{option} {name}: expected {builtin} or a local Hugging Face checkpoint folder "
                          f"(holding a config.json), found {found}")
     return folder.resolve()
 

@@ -10,10 +10,13 @@ Sizes (``--sizes``, default all three, smallest first):
   bf16 safetensors, with SmolLM2's tokenizer, eval.txt and calibration.txt copied from ``real`` (so the GGUF
   converter recognises its pre-tokenizer). Built once under ``CACHE_DIR/synthetic/<config hash>``. Its costs
   are real; its PPL and KLD mean nothing and are not shown.
+* any other local Hugging Face checkpoint folder, by its path (default 8 windows): a point of your own. Its
+  text is its ``eval.txt``, else Quantyard's built-in held-out text (bench/pipeline_vs_llamacpp.py's
+  ``eval_text_file``); its vocabulary is printed with its measurements, since the fits fold it into P.
 
 Each size runs, in a child process with a fresh registry, cache and work dir (bench/pipeline_vs_llamacpp.py's
 ``CHILD`` and ``fresh_env``): ``convert CKPT --gguf Q8_0,Q4_K_M,Q2_K --gguf-base f16 --no-speed --eval-text
-CKPT/eval.txt --window 512 --stride 512 --score-from 257 --max-windows W --threads N --reference-engine R
+TEXT --window 512 --stride 512 --score-from 257 --max-windows W --threads N --reference-engine R
 --json`` (R: ``--reference``, default llama.cpp: the F16 GGUF, the reference that scales to 70 B). Stage times
 are the report's ``dispatch_s``; the source hashing (before the stage graph) is timed by its progress event.
 Peak memory: the summed RSS of this process's descendants (the child and everything it starts), sampled every
@@ -33,7 +36,7 @@ GPU column (``--gpu FILE``, from bench/gpu_reference.py on a GPU machine; withou
 GpuModel's forward-pass and load assumptions, plus the reference stage's MEASURED start and host time per stored
 entry (the exact-KLD distribution: on an H200 that, not the GPU, set the stage's time from 0.3 B to 3.6 B).
 
-Usage: python bench/scaling.py [--sizes demo,real,big] [--windows 16,16,8 | --windows 2] [--threads N]
+Usage: python bench/scaling.py [--sizes demo,real,big[,PATH...]] [--windows 16,16,8 | --windows 2] [--threads N]
 [--out FILE] [--save FILE.json] [--load FILE.json (fit and print saved measurements; no run)] [--gpu FILE.json]
 """
 
@@ -68,6 +71,7 @@ from pipeline.cpu import cpu_flags
 
 SIZES = ("demo", "real", "big")
 DEFAULT_WINDOWS = {"demo": 16, "real": 16, "big": 8}
+FOLDER_WINDOWS = 8  # a local folder given by its path
 SAMPLE_S = 0.1
 GIB = 1024**3
 #: The synthetic checkpoint: SmolLM2's vocabulary and special tokens, a Llama shape of ~0.77 B parameters.
@@ -328,6 +332,7 @@ class SizeRun:
     total_s: float
     peak_bytes: float
     synthetic: bool = False
+    vocab: int | None = None  # the checkpoint's config.json vocab_size (None in measurements saved before it)
 
 
 def param_count(ckpt: Path) -> int:
@@ -369,7 +374,15 @@ def big_checkpoint(cfg: Settings) -> Path:
 
 
 def size_checkpoint(size: str, cfg: Settings) -> Path:
+    """demo, real, big, or a local checkpoint folder by its path (SystemExit when it is not one)."""
     return big_checkpoint(cfg) if size == "big" else vs.checkpoint(size, cfg)
+
+
+def vocab_size(ckpt: Path) -> int | None:
+    """config.json's vocab_size (a multimodal config's text_config's), or None when it names none."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(v) if v else None
 
 
 class RssSampler(threading.Thread):
@@ -434,11 +447,13 @@ def measure(size: str, ckpt: Path, cfg: Settings, windows: int, threads: int,
             reference: str = "llama.cpp") -> SizeRun:
     """One ``quantyard convert`` run of ``ckpt`` on a fresh registry, cache and work dir, sampled.
     Raises RuntimeError when it fails or a stage did not run."""
+    cfg.work_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cfg.work_root, prefix="bench-scaling-") as tmp:
         work = Path(tmp)
         events = work / "events.jsonl"
+        text, _ = vs.eval_text_file(ckpt, None, work / "text")
         flags = ["--name", "bench", "--gguf", ",".join(vs.QUANTS), "--gguf-base", "f16", "--eval-text",
-                 str(ckpt / "eval.txt"), "--window", str(vs.CTX), "--stride", str(vs.CTX), "--score-from",
+                 str(text), "--window", str(vs.CTX), "--stride", str(vs.CTX), "--score-from",
                  str(vs.SCORE_FROM), "--max-windows", str(windows), "--threads", str(threads),
                  "--registry", str(work / "registry"), "--reference-engine", reference, "--no-speed", "--json"]
         cmd = [sys.executable, "-c", vs.CHILD, str(events), "convert", str(ckpt), *flags]
@@ -466,7 +481,7 @@ def measure(size: str, ckpt: Path, cfg: Settings, windows: int, threads: int,
     # what no stage holds: interpreter start, imports, Prefect's embedded server, registry, report, JSON
     stages["other"] = StageRun(total - sum(s.seconds for s in stages.values()), peak_outside(samples, spans), 0)
     return SizeRun(size, str(ckpt), param_count(ckpt), n_windows, stages, total,
-                   float(max((r for _, r in samples), default=0)), synthetic=size == "big")
+                   float(max((r for _, r in samples), default=0)), synthetic=size == "big", vocab=vocab_size(ckpt))
 
 
 # --- from measurements to fits --------------------------------------------------------------------
@@ -517,8 +532,11 @@ def _gib(v: float | None) -> str:
 
 
 def measured_table(run: SizeRun) -> str:
-    kind = "SYNTHETIC (random weights: costs real, PPL/KLD meaningless)" if run.synthetic else "pretrained"
-    out = [f"### {run.size}: {run.params / 1e6:.1f} M parameters, {kind}; {run.windows} windows × {vs.CTX} tokens",
+    kind = ("SYNTHETIC (random weights: costs real, PPL/KLD meaningless)" if run.synthetic
+            else "pretrained" if run.size in SIZES else "a local checkpoint")
+    vocab = "" if run.vocab is None else f", vocabulary {run.vocab:,}"
+    out = [f"### {run.size}: {run.params / 1e6:.1f} M parameters{vocab}, {kind}; {run.windows} windows × {vs.CTX} "
+           "tokens",
            f"checkpoint {run.checkpoint}", "", "| stage | seconds | peak RSS GiB | tokens |", "|---|---:|---:|---:|"]
     out += [f"| {k} | {s.seconds:.2f} | {_gib(s.peak_bytes)} | {s.tokens} |" for k, s in run.stages.items()]
     out.append(f"| **whole command** | **{run.total_s:.1f}** | **{_gib(run.peak_bytes)}** | |")
@@ -620,7 +638,7 @@ def report(runs: list[SizeRun], ram: float, gpu: GpuModel, job: Job) -> list[str
 def parse_windows(text: str | None, sizes: list[str]) -> dict[str, int]:
     """``--windows``: one number for every size, or one per size in ``--sizes`` order; default per size."""
     if text is None:
-        return {s: DEFAULT_WINDOWS[s] for s in sizes}
+        return {s: DEFAULT_WINDOWS.get(s, FOLDER_WINDOWS) for s in sizes}
     vals = [int(v) for v in text.split(",")]
     if len(vals) == 1:
         return dict.fromkeys(sizes, vals[0])
@@ -631,7 +649,8 @@ def parse_windows(text: str | None, sizes: list[str]) -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated of demo,real,big (default all)")
+    ap.add_argument("--sizes", default=",".join(SIZES),
+                    help="comma-separated: demo, real, big, or a local checkpoint folder (default demo,real,big)")
     ap.add_argument("--windows", default=None, help="512-token windows: N, or one per size (default 16,16,8)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--reference", choices=("llama.cpp", "transformers"), default="llama.cpp",
@@ -643,8 +662,9 @@ def main() -> None:
                     help="the reference stage measured on a GPU (bench/gpu_reference.py's JSON) for the GPU column")
     args = ap.parse_args()
     sizes = [s for s in args.sizes.split(",") if s]
-    if unknown := [s for s in sizes if s not in SIZES]:
-        raise SystemExit(f"--sizes: unknown {unknown}; expected some of {', '.join(SIZES)}")
+    for s in sizes:  # a mistyped folder fails now, before minutes of building and measuring
+        if s not in SIZES:
+            vs.checkpoint_folder(s, option="--sizes", builtin="demo, real, big")
     cfg = Settings(threads=args.threads)
     windows = parse_windows(args.windows, sizes)
     # built (the synthetic one: once, minutes) before the load average is read and anything is timed

@@ -65,8 +65,8 @@ def test_a_local_folder_runs_both_ways_on_one_text(pv: ModuleType, tmp_path: Pat
 
 
 def test_a_folder_that_is_not_a_checkpoint_is_refused_with_what_was_expected(pv: ModuleType, tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match=r"expected demo, real or a local Hugging Face checkpoint folder .* found "
-                                         r"a folder without a config.json"):
+    with pytest.raises(SystemExit, match=r"--model .*: expected demo, real or a local Hugging Face checkpoint "
+                                         r"folder .* found a folder without a config.json"):
         pv.checkpoint_folder(str(tmp_path))
     with pytest.raises(SystemExit, match="found no such folder"):
         pv.checkpoint_folder(str(tmp_path / "missing"))
