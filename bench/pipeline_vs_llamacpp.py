@@ -187,14 +187,19 @@ def checkpoint_folder(name: str, option: str = "--model", builtin: str = "demo, 
     return folder.resolve()
 
 
+def existing_text(text: Path) -> Path:
+    """``--text FILE``, resolved. Raises SystemExit when it is not an existing file."""
+    if not text.is_file():
+        raise SystemExit(f"--text {text}: expected an existing text file, found none")
+    return text.resolve()
+
+
 def eval_text_file(ckpt: Path, text: Path | None, work: Path) -> tuple[Path, str]:
     """The one text file both ways score, and where it came from: ``--text``, else the checkpoint's own
     ``eval.txt``, else Quantyard's built-in held-out text (pipeline/texts.py), written into ``work`` so that
     llama-perplexity reads the very same text. Raises SystemExit when ``--text`` does not exist."""
     if text is not None:
-        if not text.is_file():
-            raise SystemExit(f"--text {text}: expected an existing text file, found none")
-        return text.resolve(), f"file {text}"
+        return existing_text(text), f"file {text}"
     own = ckpt / "eval.txt"
     if own.is_file():
         return own, "the checkpoint's eval.txt"
@@ -559,8 +564,8 @@ def main() -> None:
     for name in models:  # a mistyped folder fails now, not after the models before it have run
         if name not in BUILT:
             checkpoint_folder(name)
-    if args.text is not None and not args.text.is_file():
-        raise SystemExit(f"--text {args.text}: expected an existing text file, found none")
+    if args.text is not None:
+        existing_text(args.text)
     load = os.getloadavg()
     cfg = Settings(threads=args.threads)
     parts = [header(sys.argv, load, args.threads)]

@@ -1,9 +1,10 @@
-"""Tests of the bench scripts: their bookkeeping, and one end-to-end run. The scripts are not a package:
-:func:`load_script` loads one."""
+"""Tests of the bench scripts: their bookkeeping, and end-to-end runs on a local folder
+(:func:`demo_copy_without_eval_text`). The scripts are not a package: :func:`load_script` loads one."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,3 +20,13 @@ def load_script(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+def demo_copy_without_eval_text(demo: Path, dest: Path) -> Path:
+    """A copy of the demo checkpoint's files in ``dest``, less its eval.txt and calibration.txt: a local folder
+    the bench scripts were not built for, whose evaluation text must come from Quantyard's built-in one."""
+    dest.mkdir()
+    for f in demo.iterdir():
+        if f.is_file() and f.name not in ("eval.txt", "calibration.txt"):
+            shutil.copy2(f, dest / f.name)
+    return dest

@@ -6,14 +6,13 @@ child), on 2 windows; the test checks the tables, not the speed (a ratio on a bu
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from pipeline.config import Settings
-from tests.bench import load_script
+from tests.bench import demo_copy_without_eval_text, load_script
 
 QUANTS = ("Q8_0", "Q4_K_M", "Q2_K")
 
@@ -21,14 +20,6 @@ QUANTS = ("Q8_0", "Q4_K_M", "Q2_K")
 @pytest.fixture(scope="module")
 def pv() -> ModuleType:
     return load_script("pipeline_vs_llamacpp")
-
-
-def _folder_without_eval_text(demo_model: Path, dest: Path) -> Path:
-    dest.mkdir()
-    for f in demo_model.iterdir():
-        if f.is_file() and f.name not in ("eval.txt", "calibration.txt"):
-            shutil.copy2(f, dest / f.name)
-    return dest
 
 
 def _variant_rows(text: str) -> dict[str, list[float]]:
@@ -43,7 +34,7 @@ def _variant_rows(text: str) -> dict[str, list[float]]:
 
 def test_a_local_folder_runs_both_ways_on_one_text(pv: ModuleType, tmp_path: Path, demo_model: Path,
                                                    cache_dir: Path) -> None:
-    folder = _folder_without_eval_text(demo_model, tmp_path / "some-checkpoint")
+    folder = demo_copy_without_eval_text(demo_model, tmp_path / "some-checkpoint")
     cfg = Settings(cache_dir=cache_dir, work_dir=tmp_path / "work", threads=2)
     out = pv.run_model(str(folder), cfg, windows=2, threads=2, reference="llama.cpp")
 

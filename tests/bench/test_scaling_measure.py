@@ -4,14 +4,13 @@ in a child, sampled; the test checks what was recorded, not how fast it was."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from pipeline.config import Settings
-from tests.bench import load_script
+from tests.bench import demo_copy_without_eval_text, load_script
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +20,7 @@ def sc() -> ModuleType:
 
 def test_a_local_folder_is_measured_stage_by_stage(sc: ModuleType, tmp_path: Path, demo_model: Path,
                                                    cache_dir: Path) -> None:
-    folder = tmp_path / "mine"
-    folder.mkdir()
-    for f in demo_model.iterdir():
-        if f.is_file() and f.name != "eval.txt":
-            shutil.copy2(f, folder / f.name)
+    folder = demo_copy_without_eval_text(demo_model, tmp_path / "mine")
     assert sc.parse_windows(None, ["demo", str(folder)]) == {"demo": 16, str(folder): sc.FOLDER_WINDOWS}
     cfg = Settings(cache_dir=cache_dir, work_dir=tmp_path / "work", threads=2)
     ckpt = sc.size_checkpoint(str(folder), cfg)
