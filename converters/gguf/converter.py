@@ -11,7 +11,8 @@
 * Every output's header is read (``converters.gguf.header``: architecture, file type, tensor count, in
   milliseconds where gguf-py's reader takes seconds) and checked against the base, and its tokenizer is
   checked for parity with the HF tokenizer (``converters.gguf.tokenizer``) once per distinct tokenizer
-  metadata: the types of one base carry the base's, proven equal by digest. Then it is optionally split
+  metadata: the types of one base carry the base's, proven equal by digest, so the check runs on the base
+  while llama-quantize makes the first type, and each file then finds it by its digest. Then it is optionally split
   into parts by ``llama-gguf-split`` (``converters.gguf.split``).
 
 The base is cached under ``WORK/gguf-base/<source>/<toolchain>/`` so that adding a
@@ -25,6 +26,7 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -309,7 +311,9 @@ class GGUFConverter:
         if spec.type == base_type and not spec.imatrix:
             shutil.copyfile(base, out)  # the base is this variant; the blob store dedups identical bytes
         else:
-            self._quantize(ctx, base, out, spec, prepared)
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gguf-parity") as pool:
+                self._parity_ahead(pool, ctx, spec, base, out_dir)
+                self._quantize(ctx, base, out, spec, prepared)
             events.append("quantize")
         header = read_header(out)
         info = inspect_headers([header])
@@ -331,6 +335,23 @@ class GGUFConverter:
             "tokenizer_parity": parity}
         return BuiltVariant(variant=spec.name, files={p.name: p for p in parts}, tool=self.tool_identity(),
                             parameters=params, events=events, info=info)
+
+    def _parity_ahead(self, pool: ThreadPoolExecutor, ctx: BuildContext, spec: GGUFSpec, base: Path,
+                      log_dir: Path) -> None:
+        """Check the base's tokenizer parity in ``pool`` while llama-quantize makes a type from it, unless an
+        agreement is recorded for the base's tokenizer metadata already (then this returns at once).
+
+        Every type made from a base carries the base's ``tokenizer.*`` metadata byte for byte, so the build's own
+        check of the new file (:meth:`_parity`, after quantization) then finds the base's agreement by digest
+        instead of starting llama.cpp: the first type of a run pays for its quantization only, not for the
+        quantization and then the check. What is proven is unchanged: the file's digest must equal the base's
+        for the record to apply, else the file is checked itself. A mismatch is never recorded, so it is found
+        again on the file and reported as before (the check's own error here is dropped). With mismatches
+        allowed nothing is checked ahead: each type is checked on its own file, as a mismatch is never recorded.
+        """
+        if self.options.allow_tokenizer_mismatch:
+            return
+        pool.submit(lambda: self._parity(ctx, spec, read_header(base), log_dir))
 
     def _parity(self, ctx: BuildContext, spec: GGUFSpec, header: GGUFHeader, log_dir: Path) -> dict[str, Any]:
         """Tokenizer parity of the GGUF ``header`` was read from: recorded when a GGUF with the same tokenizer

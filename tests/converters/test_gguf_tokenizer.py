@@ -157,13 +157,17 @@ def test_types_of_one_base_check_the_tokenizer_once(demo_model: Path, settings: 
     conv = GGUFConverter(settings)
     ctx = _demo_ctx(demo_model, settings)
     prepared = conv.prepare(ctx, [])
+    base = Path(prepared.paths["base"])
+    on_base = f"identical tokenizer metadata, checked on {base.name}"
     first = conv.build(ctx, prepared, GGUFSpec(type="Q8_0"), tmp_path / "Q8_0").parameters["tokenizer_parity"]
-    assert first["ok"] is True and first["checked"] == "this file" and _tokenize_logs(tmp_path / "Q8_0")
+    # checked on the base beside llama-quantize, and not again on the file (one llama.cpp tokenizer, the base's)
+    assert first["ok"] is True and first["checked"] == on_base
+    assert [p.name for p in _tokenize_logs(tmp_path / "Q8_0")] == [f"tokenize-{base.stem}.err"]
     # a fresh converter (the record is a file under the work dir, as for another process)
     again = GGUFConverter(settings).build(ctx, prepared, GGUFSpec(type="Q4_K_M"), tmp_path / "Q4_K_M")
     second = again.parameters["tokenizer_parity"]
     assert _tokenize_logs(tmp_path / "Q4_K_M") == []  # no llama.cpp tokenizer started
-    assert second["checked"] == "identical tokenizer metadata, checked on demo-Q8_0.gguf"
+    assert second["checked"] == on_base
     digest = read_header(Path(prepared.paths["base"])).tokenizer_sha256
     assert second["tokenizer_sha256"] == first["tokenizer_sha256"] == digest
     assert read_header(next(iter(again.files.values()))).tokenizer_sha256 == digest
@@ -171,8 +175,11 @@ def test_types_of_one_base_check_the_tokenizer_once(demo_model: Path, settings: 
     # other texts are checked
     other = replace(ctx, texts={"other": "Other text: 1234567 and 3.5e-10.\n\n2007 was a year."})
     third = conv.build(other, prepared, GGUFSpec(type="Q2_K"), tmp_path / "Q2_K").parameters["tokenizer_parity"]
-    assert third["checked"] == "this file" and set(third["texts"]) == {"probe", "other"}
-    assert _tokenize_logs(tmp_path / "Q2_K")
+    assert third["checked"] == on_base and set(third["texts"]) == {"probe", "other"}
+    assert [p.name for p in _tokenize_logs(tmp_path / "Q2_K")] == [f"tokenize-{base.stem}.err"]
+    # the base's own type (a copy of the base: no quantization to overlap) finds the base's record by digest
+    assert conv.build(ctx, prepared, GGUFSpec(type=str(prepared.meta["base_type"])), tmp_path / "base").parameters[
+        "tokenizer_parity"]["checked"] == on_base
 
 
 def test_other_tokenizer_metadata_is_checked_and_a_mismatch_never_reused(demo_model: Path, settings: Settings,
@@ -192,7 +199,12 @@ def test_other_tokenizer_metadata_is_checked_and_a_mismatch_never_reused(demo_mo
     assert read_header(base).tokenizer_sha256 != good["tokenizer_sha256"]
     with pytest.raises(TokenizerMismatchError) as info:
         conv.build(ctx, prepared, GGUFSpec(type="Q4_K_M"), tmp_path / "Q4_K_M")
-    assert info.value.position == position and _tokenize_logs(tmp_path / "Q4_K_M")
+    assert info.value.position == position
+    # found on the base beside llama-quantize (that error dropped: a mismatch is never recorded), then on the
+    # file itself, whose error is the one raised
+    assert [p.name for p in _tokenize_logs(tmp_path / "Q4_K_M")] == [f"tokenize-{base.stem}.err",
+                                                                      "tokenize-demo-Q4_K_M.err"]
+    assert "demo-Q4_K_M" in str(info.value)
     assert len(list(records.glob("*.json"))) == 1  # nothing recorded for the mismatch
     # allowed, each such type is still checked (and says so): a mismatch is not recorded as agreement
     lenient = GGUFConverter(settings, GGUFOptions(allow_tokenizer_mismatch=True))

@@ -60,7 +60,7 @@ def test_runs_mark_what_they_reuse_and_prune_removes_only_what_went_unused(demo_
     prepared = conv.prepare(ctx, [])
     first = conv.build(ctx, prepared, GGUFSpec(type="Q8_0"), tmp_path / "Q8_0").parameters["tokenizer_parity"]
     calib, _ = conv.calibration_file(ctx)
-    assert first["checked"] == "this file"
+    assert first["checked"] == f"identical tokenizer metadata, checked on {Path(prepared.paths['base']).name}"
 
     kinds = _by_kind(work)
     assert sorted(kinds) == ["calibration", "gguf-base", "gguf-parity"]
