@@ -338,16 +338,16 @@ class GGUFConverter:
 
     def _parity_ahead(self, pool: ThreadPoolExecutor, ctx: BuildContext, spec: GGUFSpec, base: Path,
                       log_dir: Path) -> None:
-        """Check the base's tokenizer parity in ``pool`` while llama-quantize makes a type from it, unless an
-        agreement is recorded for the base's tokenizer metadata already (then this returns at once).
+        """Check the base's tokenizer parity in ``pool`` while llama-quantize makes a type from it (the thread ends
+        at once when an agreement is recorded for the base's tokenizer metadata already).
 
         Every type made from a base carries the base's ``tokenizer.*`` metadata byte for byte, so the build's own
         check of the new file (:meth:`_parity`, after quantization) then finds the base's agreement by digest
         instead of starting llama.cpp: the first type of a run pays for its quantization only, not for the
         quantization and then the check. What is proven is unchanged: the file's digest must equal the base's
         for the record to apply, else the file is checked itself. A mismatch is never recorded, so it is found
-        again on the file and reported as before (the check's own error here is dropped). With mismatches
-        allowed nothing is checked ahead: each type is checked on its own file, as a mismatch is never recorded.
+        again on the file and reported as before (the error here is dropped); for the same reason nothing is
+        checked ahead when mismatches are allowed (each type is checked on its own file).
         """
         if self.options.allow_tokenizer_mismatch:
             return

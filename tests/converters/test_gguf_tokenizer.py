@@ -168,7 +168,7 @@ def test_types_of_one_base_check_the_tokenizer_once(demo_model: Path, settings: 
     second = again.parameters["tokenizer_parity"]
     assert _tokenize_logs(tmp_path / "Q4_K_M") == []  # no llama.cpp tokenizer started
     assert second["checked"] == on_base
-    digest = read_header(Path(prepared.paths["base"])).tokenizer_sha256
+    digest = read_header(base).tokenizer_sha256
     assert second["tokenizer_sha256"] == first["tokenizer_sha256"] == digest
     assert read_header(next(iter(again.files.values()))).tokenizer_sha256 == digest
     assert {k: v for k, v in second.items() if k != "checked"} == {k: v for k, v in first.items() if k != "checked"}
