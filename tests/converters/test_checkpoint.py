@@ -10,7 +10,7 @@ import safetensors.numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from converters.checkpoint import content_hash, load_checkpoint, read_safetensors_header
+from converters.checkpoint import Checkpoint, content_hash, load_checkpoint, read_safetensors_header, scan_nonfinite
 from pipeline.errors import (
     InvalidCheckpointError,
     SourceNotFoundError,
@@ -99,6 +99,37 @@ def test_content_hash_changes_with_content(tmp_path: Path, demo_model: Path) -> 
     assert before == content_hash(demo_model)
     (ckpt / "extra.txt").write_text("x")
     assert content_hash(ckpt) != before
+
+
+@settings(max_examples=80, deadline=None)
+@given(dtype=st.sampled_from(["bfloat16", "float16", "float32", "float64"]),
+       shape=st.lists(st.integers(0, 9), min_size=0, max_size=3),
+       bad=st.sampled_from([None, float("nan"), float("inf"), float("-inf")]),
+       extreme=st.booleans(), where=st.integers(0, 10_000), chunk=st.sampled_from([1, 5, 1 << 25]))
+def test_scan_refuses_exactly_the_nonfinite_values(tmp_path_factory: pytest.TempPathFactory, dtype: str,
+                                                   shape: list[int], bad: float | None, extreme: bool, where: int,
+                                                   chunk: int) -> None:
+    """One NaN or infinity anywhere in a tensor of any float dtype and shape (empty and 0-d included), in chunks of
+    one row or more, is refused and counted; the dtype's largest finite values pass."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("scan")
+    t = torch.randn(shape, dtype=torch.float64).to(getattr(torch, dtype))
+    n = t.numel()
+    if extreme and n:
+        t.view(-1)[(where + 1) % n] = torch.finfo(t.dtype).max
+        t.view(-1)[(where + 2) % n] = torch.finfo(t.dtype).min
+    if bad is not None and n:
+        t.view(-1)[where % n] = bad
+    save_file({"w": t, "ones": torch.ones(4, 3)}, str(folder / "model.safetensors"))
+    ckpt = Checkpoint(path=folder, config={}, tensors=read_safetensors_header(folder / "model.safetensors"),
+                      weight_files=[folder / "model.safetensors"])
+    if bad is None or n == 0:
+        scan_nonfinite(ckpt, chunk_elements=chunk)
+    else:
+        with pytest.raises(InvalidCheckpointError, match=r"tensor w in model.safetensors holds 1 NaN/Inf values"):
+            scan_nonfinite(ckpt, chunk_elements=chunk)
 
 
 @settings(max_examples=40, deadline=None)
