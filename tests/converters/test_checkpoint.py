@@ -101,6 +101,31 @@ def test_content_hash_changes_with_content(tmp_path: Path, demo_model: Path) -> 
     assert content_hash(ckpt) != before
 
 
+def test_content_hash_is_its_definition_on_any_number_of_threads(tmp_path: Path) -> None:
+    """A source's identity is sha256 over "relative path NUL size NUL file sha256 LF" of its files in sorted
+    order (dot files and dot/cache folders left out): registries hold it, so it must not move, whether the
+    shards are read one after another or at once."""
+    import hashlib
+
+    root = tmp_path / "src"
+    files = {"config.json": b"{}", "model-00001-of-00003.safetensors": os.urandom(3 << 20),
+             "model-00002-of-00003.safetensors": os.urandom(1 << 20), "model-00003-of-00003.safetensors": b"",
+             "sub/tokenizer.json": b"tok", "sub/deeper/a.txt": b"a"}
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    for ignored in (".hidden", ".git/HEAD", "__pycache__/x.pyc", ".cache/huggingface/y"):
+        (root / ignored).parent.mkdir(parents=True, exist_ok=True)
+        (root / ignored).write_bytes(b"left out")
+    # os.walk's order: a folder's files (sorted), then its folders (sorted), depth first
+    order = ["config.json", "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+             "model-00003-of-00003.safetensors", "sub/tokenizer.json", "sub/deeper/a.txt"]
+    want = hashlib.sha256("".join(f"{rel}\0{len(files[rel])}\0{hashlib.sha256(files[rel]).hexdigest()}\n"
+                                  for rel in order).encode()).hexdigest()
+    assert {content_hash(root, workers=n) for n in (1, 2, 8)} == {want}
+    assert content_hash(root) == want
+
+
 @settings(max_examples=80, deadline=None)
 @given(dtype=st.sampled_from(["bfloat16", "float16", "float32", "float64"]),
        shape=st.lists(st.integers(0, 9), min_size=0, max_size=3),
