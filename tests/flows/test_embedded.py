@@ -141,3 +141,41 @@ def test_an_unreadable_decision_is_a_typed_error(tmp_path: Path) -> None:
     with pytest.raises(OrchestratorError, match="its launcher said 'hello'"):
         server.decision(timeout_s=30)
     proc.wait()
+
+
+def test_the_warm_up_asks_the_api_once_it_serves_and_a_dead_server_changes_nothing() -> None:
+    """The child's warm-up (embedded._warm): one GET of the API's version, waiting in the socket's queue until the
+    server accepts; where nothing listens it returns quietly."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)  # listening, not serving yet: the warm-up's request waits in the queue
+    port = sock.getsockname()[1]
+    warm = threading.Thread(target=embedded._warm, args=(f"http://127.0.0.1:{port}/api",))
+    warm.start()
+    time.sleep(0.3)
+    assert warm.is_alive() and not seen
+    server = HTTPServer(("127.0.0.1", port), Handler, bind_and_activate=False)
+    server.socket.close()
+    server.socket = sock
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    warm.join(10)
+    assert not warm.is_alive() and seen == ["/api/admin/version"]
+    server.server_close()
+    t0 = time.monotonic()
+    embedded._warm(f"http://127.0.0.1:{port}/api")  # nothing listens now: connection refused, nothing raised
+    assert time.monotonic() - t0 < 5
