@@ -38,8 +38,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import OrchestratorError
 from pipeline.proc import child_env, die_with_parent
@@ -151,6 +153,20 @@ def start(log_dir: Path) -> Embedded | None:
     return _SERVER
 
 
+def without_heartbeats(server: Embedded | None) -> AbstractContextManager[Any]:
+    """Flow runs in this block send no heartbeats where ``server`` is this process's own. Prefect's flow-run
+    heartbeats (every 180 s by default) let a server mark a run whose process died as crashed; this server dies
+    with the process, so they tell nobody anything, and the flow engine joins their thread when a flow ends, which
+    sleeps in 1 s steps: up to 1 s per flow (measured here: a flow's end 0.16-0.17 s after its last stage without
+    them, 0.36 and 1.14 s with). With a configured server they stay on. Call it after Prefect is imported
+    (:meth:`Embedded.decision` first)."""
+    if server is None or server.decided != "url":
+        return contextlib.nullcontext()
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+
+
 def stop() -> None:
     """Stop this process's server, if it started one (:meth:`Embedded.stop`); run at exit."""
     if _SERVER is not None:
@@ -196,4 +212,4 @@ if __name__ == "__main__":
     _serve()
 
 
-__all__ = ["CONFIGURED", "OFF", "READY_TIMEOUT_S", "Embedded", "start", "stop"]
+__all__ = ["CONFIGURED", "OFF", "READY_TIMEOUT_S", "Embedded", "start", "stop", "without_heartbeats"]

@@ -92,7 +92,8 @@ def convert(plan: Plan, settings: Settings) -> ConvertReport:
 
         if server is not None:
             server.ready()  # the flow must not call a server that is still starting
-        out = convert_flow(plan, settings)
+        with embedded.without_heartbeats(server):
+            out = convert_flow(plan, settings)
     finally:
         steps.forget_preresolved()
     out.wall_s = time.perf_counter() - t0  # the run's: resolving the source and waiting for the server too

@@ -179,3 +179,19 @@ def test_the_warm_up_asks_the_api_once_it_serves_and_a_dead_server_changes_nothi
     t0 = time.monotonic()
     embedded._warm(f"http://127.0.0.1:{port}/api")  # nothing listens now: connection refused, nothing raised
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize(("decided", "beats"), [("url", None), ("configured", 180), (None, 180)])
+def test_flow_runs_on_the_embedded_server_send_no_heartbeats(tmp_path: Path, decided: str | None,
+                                                             beats: int | None) -> None:
+    """Heartbeats are off inside the block only where the server is this process's own (it dies with the process;
+    the flow engine's join of their thread cost up to 1 s per flow); a configured server keeps them."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
+
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 180}):
+        proc = subprocess.Popen(["true"])
+        proc.wait()
+        server = None if decided is None else embedded.Embedded(proc=proc, log=tmp_path / "log", decided=decided)
+        with embedded.without_heartbeats(server):
+            assert get_current_settings().flows.heartbeat_frequency == beats
+        assert get_current_settings().flows.heartbeat_frequency == 180
