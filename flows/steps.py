@@ -352,7 +352,7 @@ def sweep_stale(settings: Settings) -> list[Path]:
                 removed.append(entry)
     # pipeline.fs names, files or folders: gguf-base/<key>/x.gguf.<pid>-<hex>.incomplete,
     # imatrix-<key>.gguf.<pid>-<hex>.incomplete.gguf, an AWQ output folder <variant>.<pid>-<hex>.incomplete
-    for partial in sorted(settings.work_root.rglob("*.incomplete*")):
+    for partial in _partials(settings.work_root):
         pid = incomplete_pid(partial)
         if pid is None or _pid_alive(pid) or not (partial.exists() or partial.is_symlink()):
             continue  # not ours, still being written, or inside a folder removed just before
@@ -362,6 +362,17 @@ def sweep_stale(settings: Settings) -> list[Path]:
             partial.unlink(missing_ok=True)
         removed.append(partial)
     return removed
+
+
+def _partials(root: Path) -> list[Path]:
+    """Every file, folder or link under ``root`` whose name holds ``.incomplete``, sorted. Found by ``os.walk``,
+    which passes over a folder that vanishes while it walks: other runs, and this run's own thread writing the
+    source's records beside a build (flows/stages.py, InProcess.flushed_beside), make and remove scratch folders
+    under the same root meanwhile (``Path.rglob`` raised FileNotFoundError there)."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        found.extend(Path(dirpath) / name for name in (*dirnames, *filenames) if ".incomplete" in name)
+    return sorted(found)
 
 
 def has_quality_result(version: VersionView, engine: str, window_set_id: str, ref_key: str) -> bool:
