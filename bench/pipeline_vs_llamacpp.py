@@ -115,6 +115,8 @@ class Way:
     variants: dict[str, dict[str, float | None]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     load: Load | None = None  # the machine's CPU use while this way ran
+    #: Quantyard: the parts of resolving the source (flows/steps.py RESOLVE_PARTS: hash, check, scan), seconds
+    resolve_parts: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -294,6 +296,7 @@ def quantyard(ckpt: Path, text: Path, cfg: Settings, work: Path, windows: int, t
     report = json.loads(res.stdout)
     way = Way(total_s=total, flow_s=float(report["wall_s"]))
     way.steps["hash"] = _event_s(events, "resolve", str(ckpt))  # before the stage graph: not among its stages
+    way.resolve_parts = resolve_parts(events, str(ckpt))
     for entry in report["stages"]:
         if entry["status"] in ("failed", "skipped", "reused"):
             raise RuntimeError(f"stage {entry['stage']} {entry['status']} in a fresh run: {entry.get('error')}")
@@ -321,6 +324,22 @@ def quantyard(ckpt: Path, text: Path, cfg: Settings, work: Path, windows: int, t
     return way
 
 
+#: The parts of resolving a source, as flows/steps.py's RESOLVE_PARTS name their progress events, and what each does.
+RESOLVE_PARTS = {"resolve:hash": "content hash", "resolve:check": "config, shapes, tokenizer and format checks",
+                 "resolve:scan": "NaN/Inf scan"}
+
+
+def resolve_parts(path: Path, detail: str) -> dict[str, float]:
+    """Seconds of each part of resolving the source (:data:`RESOLVE_PARTS`) the child logged; {} when it
+    logged none (a Quantyard from before the parts were announced)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    marks: dict[str, dict[str, float]] = {}
+    for t, s, d, phase in lines:
+        if s in RESOLVE_PARTS and d == detail:
+            marks.setdefault(s, {})[phase] = t
+    return {s: m["done"] - m["start"] for s, m in marks.items() if {"start", "done"} <= m.keys()}
+
+
 def _event_s(path: Path, stage: str, detail: str) -> float:
     """Seconds between the start and the end of one progress event the child logged."""
     lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -344,7 +363,8 @@ def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
             "resolve (hash the source)",
             None,
             q["hash"] + q.get("resolve", 0.0),
-            "content hash, checkpoint load, format checks",
+            ", ".join(f"{RESOLVE_PARTS[k]} {v:.1f} s" for k, v in qy.resolve_parts.items())
+            or "content hash, checkpoint load, format checks",
         ),
         ("F16 conversion", h["convert"], _sum(q, "prepare:"), "convert_hf_to_gguf.py + reading the file back"),
     ]

@@ -18,7 +18,8 @@ Each size runs, in a child process with a fresh registry, cache and work dir (be
 ``CHILD`` and ``fresh_env``): ``convert CKPT --gguf Q8_0,Q4_K_M,Q2_K --gguf-base f16 --no-speed --eval-text
 TEXT --window 512 --stride 512 --score-from 257 --max-windows W --threads N --reference-engine R
 --json`` (R: ``--reference``, default llama.cpp: the F16 GGUF, the reference that scales to 70 B). Stage times
-are the report's ``dispatch_s``; the source hashing (before the stage graph) is timed by its progress event.
+are the report's ``dispatch_s``; resolving the source (before the stage graph: row ``hash``) is timed by its progress
+event, and its parts (``source:hash``, ``source:check``, ``source:scan``) by theirs.
 Peak memory: the summed RSS of this process's descendants (the child and everything it starts), sampled every
 :data:`SAMPLE_S` s in a thread and given to the stage whose start/end events enclose the sample (shared and
 file-backed pages, e.g. a memory-mapped GGUF, count once per process: an upper bound). Tokens: windows × 512
@@ -190,6 +191,24 @@ JOB_STAGES = (("hash", "1", "hash the source"), ("resolve", "1", "resolve stage"
               ("other", "1", "other: interpreter, imports, Prefect, registry, report"))
 
 
+#: The parts of the "hash" group (the source's resolve event), as flows/steps.py's RESOLVE_PARTS name their
+#: progress events -> their group here. Measured since the parts were announced (older measurement files lack
+#: them); where all three are fitted the job is extrapolated from them instead of "hash": the checks are a fixed
+#: cost (imports, config, a model on the meta device, the tokenizer) that the whole event's line mixed with the
+#: per-byte hash and scan, so that line's slope was noise at these sizes.
+SOURCE_PARTS = {"resolve:hash": "source:hash", "resolve:check": "source:check", "resolve:scan": "source:scan"}
+SOURCE_PART_STAGES = (("source:hash", "1", "hash the source (content hash of its files)"),
+                      ("source:check", "1", "check the source (config, shapes, tokenizer, formats)"),
+                      ("source:scan", "1", "scan every weight for NaN/Inf"))
+
+
+def job_stages(fits: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """:data:`JOB_STAGES`, its "hash" row replaced by the source's parts when every part has a fit."""
+    if not all(g in fits for g, _, _ in SOURCE_PART_STAGES):
+        return JOB_STAGES
+    return tuple(x for row in JOB_STAGES for x in (SOURCE_PART_STAGES if row[0] == "hash" else (row,)))
+
+
 @dataclass(frozen=True)
 class GpuMeasured:
     """The reference stage measured on a GPU by bench/gpu_reference.py (``--gpu FILE``): what of the GPU column is
@@ -294,9 +313,9 @@ def job_estimate(fits: dict[str, tuple[LinearFit, LinearFit]], target: Target, j
                  gpu: GpuModel) -> list[JobRow]:
     """One row per stage group of ``job`` on ``target``: time (count × per-stage fit, EXTRAPOLATED), peak
     memory (EXTRAPOLATED), whether it fits ``ram_bytes``, and the GPU ESTIMATE. ``fits``: group -> (time fit,
-    memory fit). Raises KeyError naming a group of :data:`JOB_STAGES` that has no fit."""
+    memory fit). Raises KeyError naming a group of :func:`job_stages` that has no fit."""
     rows = []
-    for group, many, what in JOB_STAGES:
+    for group, many, what in job_stages(fits):
         if group not in fits:
             raise KeyError(f"no fit for stage group {group!r}: expected one of {sorted(fits)}")
         tfit, mfit = fits[group]
@@ -414,12 +433,16 @@ class RssSampler(threading.Thread):
 
 def intervals(events: Path, ckpt: Path) -> dict[str, tuple[float, float]]:
     """Stage -> (start, end) monotonic times from the child's progress log; ``hash`` is the source's
-    resolve event, the others are named like the report's stages (less an evaluation's engine)."""
+    resolve event and ``source:*`` its parts (:data:`SOURCE_PARTS`), the others are named like the report's
+    stages (less an evaluation's engine)."""
     starts: dict[str, float] = {}
     out: dict[str, tuple[float, float]] = {}
     for line in events.read_text().splitlines():
         t, stage, detail, phase = json.loads(line)
-        key = "hash" if (stage, detail) == ("resolve", str(ckpt)) else f"{stage}:{detail}" if detail else stage
+        if detail == str(ckpt) and stage in SOURCE_PARTS:
+            key = SOURCE_PARTS[stage]
+        else:
+            key = "hash" if (stage, detail) == ("resolve", str(ckpt)) else f"{stage}:{detail}" if detail else stage
         if phase == "start":
             starts[key] = t
         elif key in starts:
@@ -471,6 +494,9 @@ def measure(size: str, ckpt: Path, cfg: Settings, windows: int, threads: int,
     report = json.loads(res.stdout)
     n_windows = int((report.get("window_set") or {}).get("n_windows") or windows)
     stages = {"hash": StageRun(spans["hash"][1] - spans["hash"][0], peak_in(samples, spans["hash"]), 0)}
+    for part in SOURCE_PARTS.values():  # inside "hash": shown and fitted, not counted twice in "other"
+        if part in spans:
+            stages[part] = StageRun(spans[part][1] - spans[part][0], peak_in(samples, spans[part]), 0)
     for entry in report["stages"]:
         name = entry["stage"]
         if entry["status"] != "ran":
@@ -479,7 +505,8 @@ def measure(size: str, ckpt: Path, cfg: Settings, windows: int, threads: int,
         tokens = n_windows * vs.CTX if short.startswith(TOKEN_STAGES) else 0
         stages[short] = StageRun(float(entry["dispatch_s"] or 0.0), peak_in(samples, spans.get(short)), tokens)
     # what no stage holds: interpreter start, imports, Prefect's embedded server, registry, report, JSON
-    stages["other"] = StageRun(total - sum(s.seconds for s in stages.values()), peak_outside(samples, spans), 0)
+    counted = sum(s.seconds for k, s in stages.items() if k not in SOURCE_PARTS.values())
+    stages["other"] = StageRun(total - counted, peak_outside(samples, spans), 0)
     return SizeRun(size, str(ckpt), param_count(ckpt), n_windows, stages, total,
                    float(max((r for _, r in samples), default=0)), synthetic=size == "big", vocab=vocab_size(ckpt))
 

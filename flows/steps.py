@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from converters.base import BuildContext, BuiltVariant, Calibration, Prepared
-from converters.checkpoint import Checkpoint, load_checkpoint
+from converters.checkpoint import Checkpoint, load_checkpoint, scan_nonfinite
 from converters.lookup import converter_class
-from converters.source import HubOptions, resolve_source
+from converters.source import HubOptions, looks_like_hub_id, resolve_source
 from evaluators.base import EvalOutcome
 from evaluators.engines import engine_for, get_evaluator
 from evaluators.reference import reference_key, run_reference
@@ -32,6 +32,7 @@ from pipeline.errors import InvalidArtifactError, QuantyardError
 from pipeline.formats import format_info
 from pipeline.fs import incomplete_pid
 from pipeline.plan import EvalSpec, GGUFOptions, Plan
+from pipeline.progress import stage
 from pipeline.real_model import RealRecipe, cached_real_model
 from pipeline.specs import SourceKind, SourceRef, spec_digest, validate_model_name
 from pipeline.texts import calibration_text as pick_calibration_text
@@ -94,18 +95,34 @@ def forget_preresolved() -> None:
     _PRERESOLVED.clear()
 
 
+#: The parts of :func:`resolve`, each a progress event of its own (detail: the source as given): what a long
+#: resolve is doing shows while it runs, and bench/scaling.py times each part (their costs scale differently).
+RESOLVE_PARTS = {"hash": "resolve:hash", "fetch": "resolve:fetch", "check": "resolve:check", "scan": "resolve:scan"}
+
+
 def resolve(plan: Plan, settings: Settings) -> Resolved:
-    """Resolve and validate the source, then let every requested format check it (fail fast)."""
-    src = resolve_source(plan.source.source, revision=plan.source.revision, cache_dir=settings.cache_dir,
-                         allow_pickle=plan.source.allow_pickle, hub=hub_options(settings))
+    """Resolve and validate the source, then let every requested format check it (fail fast), and only then
+    read every weight for NaN/Inf (the one part that reads the whole checkpoint).
+
+    Its parts emit progress events (:data:`RESOLVE_PARTS`): ``resolve:hash`` (a local folder's content hash;
+    ``resolve:fetch`` for a hub revision), ``resolve:check`` (config, tensor shapes, tokenizer, the formats'
+    checks) and ``resolve:scan``."""
+    where = plan.source.source
+    fetch = looks_like_hub_id(where)
+    with stage(RESOLVE_PARTS["fetch" if fetch else "hash"], where):
+        src = resolve_source(where, revision=plan.source.revision, cache_dir=settings.cache_dir,
+                             allow_pickle=plan.source.allow_pickle, hub=hub_options(settings))
     allowed = (Path(src.path).parent.parent,) if src.kind == SourceKind.HUB else ()
-    ckpt = load_checkpoint(Path(src.path), allow_pickle=plan.source.allow_pickle,
-                           trust_remote_code=plan.source.trust_remote_code, allowed_roots=allowed)
-    name = validate_model_name(plan.model_name or default_model_name(src))
-    resolved = Resolved(source=src, model_name=name, checkpoint=ckpt)
-    for fmt, specs in plan.by_format().items():
-        make_converter(fmt, plan, settings).check(ckpt, specs)
-    return resolved
+    with stage(RESOLVE_PARTS["check"], where):
+        ckpt = load_checkpoint(Path(src.path), allow_pickle=plan.source.allow_pickle,
+                               trust_remote_code=plan.source.trust_remote_code, allowed_roots=allowed,
+                               scan_values=False)
+        name = validate_model_name(plan.model_name or default_model_name(src))
+        for fmt, specs in plan.by_format().items():
+            make_converter(fmt, plan, settings).check(ckpt, specs)
+    with stage(RESOLVE_PARTS["scan"], where):
+        scan_nonfinite(ckpt)
+    return Resolved(source=src, model_name=name, checkpoint=ckpt)
 
 
 def hub_options(settings: Settings) -> HubOptions:

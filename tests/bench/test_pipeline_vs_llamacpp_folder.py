@@ -43,6 +43,9 @@ def test_a_local_folder_runs_both_ways_on_one_text(pv: ModuleType, tmp_path: Pat
     for step in ("resolve (hash the source)", "F16 conversion", "3 quantizations", "reference", "3 evaluations",
                  "**whole command**"):
         assert f"| {step} |" in out
+    resolve_row = next(line for line in out.splitlines() if line.startswith("| resolve (hash the source) |"))
+    for part in ("content hash", "config, shapes, tokenizer and format checks", "NaN/Inf scan"):
+        assert f"{part} " in resolve_row and " s" in resolve_row, resolve_row  # each part of it, timed
     rows = _variant_rows(out)
     assert sorted(rows) == sorted(QUANTS)
     for name, (ppl_h, ppl_q, kld_h, kld_q, top_h, top_q) in rows.items():

@@ -174,3 +174,28 @@ def test_gpu_measurement_sets_the_host_rate_and_start_of_the_gpu_column(sc: Modu
 def test_a_gpu_file_without_gpu_rows_is_refused(sc: ModuleType, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no GPU measurement"):
         sc.GpuMeasured.load(_gpu_json(tmp_path, [_gpu_row("cpu", 1e6, 1.0, 1.0, device="cpu")]))
+
+
+def test_the_sources_parts_replace_its_whole_event_in_the_job_when_all_are_fitted(sc: ModuleType) -> None:
+    """The checks are a fixed cost and the hash and the scan grow with the bytes: with the parts fitted the job
+    is extrapolated from them; a measurement file from before the parts keeps the whole event's row."""
+    def run(size: str, params: int, parts: bool) -> object:
+        stages = {g if g not in sc.PER_TYPE else f"{g}:Q8_0": sc.StageRun(1 + params * 1e-8, 1e9 + 4 * params,
+                                                                          8192 if g in sc.TOKEN_STAGES else 0)
+                  for g, _, _ in sc.JOB_STAGES}
+        if parts:
+            stages |= {"source:hash": sc.StageRun(params * 1e-9, 1e9, 0),
+                       "source:check": sc.StageRun(3.0, 1e9, 0),  # flat: imports and a model on the meta device
+                       "source:scan": sc.StageRun(params * 2e-10, 1e9, 0)}
+        return sc.SizeRun(size, f"/{size}", params, 16, stages, 60.0, 3e9)
+
+    sizes = (("demo", 5_000_000), ("real", 135_000_000), ("big", 770_000_000))
+    target, job = sc.Target("70B", 70e9, 128256), sc.Job()
+    for parts in (True, False):
+        fits, _ = sc.fit_groups([run(n, p, parts) for n, p in sizes])
+        rows = {r.what: r for r in sc.job_estimate(fits, target, job, 24 * sc.GIB, sc.GpuModel())}
+        assert ("hash the source" in rows) is not parts
+        if parts:
+            assert rows["hash the source (content hash of its files)"].time.value == pytest.approx(70.0)
+            assert rows["check the source (config, shapes, tokenizer, formats)"].time.value == pytest.approx(3.0)
+            assert rows["scan every weight for NaN/Inf"].time.value == pytest.approx(14.0)

@@ -31,6 +31,10 @@ def test_a_local_folder_is_measured_stage_by_stage(sc: ModuleType, tmp_path: Pat
     for stage in ("hash", "prepare:gguf", "reference", "other", *(f"{k}:{t}" for k in ("build", "evaluate")
                                                                  for t in ("Q8_0", "Q4_K_M", "Q2_K"))):
         assert run.stages[stage].seconds > 0, stage
+    parts = [run.stages[p].seconds for p in sc.SOURCE_PARTS.values()]  # resolving the source, part by part
+    assert all(x > 0 for x in parts) and sum(parts) <= run.stages["hash"].seconds
+    assert run.stages["other"].seconds + sum(s.seconds for k, s in run.stages.items() if k != "other") - sum(
+        parts) == pytest.approx(run.total_s)  # the parts are inside "hash": counted once
     assert run.stages["reference"].tokens == run.stages["evaluate:Q2_K"].tokens == 2 * 512
     assert run.stages["build:Q2_K"].tokens == 0
     assert run.peak_bytes > 100e6  # the child alone holds an interpreter with torch and transformers

@@ -1,5 +1,6 @@
 """flows/steps.py: sweep_stale, the clean-up of what killed runs left in the work root, while other threads and
-runs make and remove scratch folders under the same root."""
+runs make and remove scratch folders under the same root; resolve, whose parts (hash, checks, NaN/Inf scan) each
+announce themselves, the formats' checks before the scan that reads every weight."""
 
 from __future__ import annotations
 
@@ -9,8 +10,18 @@ import subprocess
 import threading
 from pathlib import Path
 
-from flows.steps import sweep_stale
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from converters.checkpoint import load_checkpoint
+from flows.steps import RESOLVE_PARTS, resolve, sweep_stale
 from pipeline.config import Settings
+from pipeline.errors import InvalidCheckpointError, InvalidSpecError
+from pipeline.plan import Plan, SourceInput
+from pipeline.progress import Event, listening
+from pipeline.specs import GGUFSpec
+from tests.factories import copy_checkpoint
 
 
 def _dead_pid() -> int:
@@ -56,3 +67,56 @@ def test_sweep_removes_dead_runs_partials_and_survives_folders_vanishing_meanwhi
         writer.join()
     assert swept == {dead_file, dead_folder}
     assert not dead_file.exists() and not dead_folder.exists() and ours.exists()
+
+
+def _with_value(ckpt: Path, value: float) -> Path:
+    """``ckpt`` with one weight of its first float matrix set to ``value``."""
+    path = next(ckpt.glob("*.safetensors"))
+    tensors = safetensors.numpy.load_file(str(path))
+    name = next(k for k, t in tensors.items() if t.ndim == 2 and np.issubdtype(t.dtype, np.floating))
+    tensors[name] = tensors[name].copy()
+    tensors[name][1, 2] = value
+    safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
+    return ckpt
+
+
+def _resolve_events(source: Path, settings: Settings, *variants: GGUFSpec) -> tuple[list[tuple[str, str]],
+                                                                                Exception | None]:
+    plan = Plan(source=SourceInput(source=str(source)), variants=variants or (GGUFSpec(type="Q8_0"),))
+    events: list[Event] = []
+    err: Exception | None = None
+    with listening(events.append):
+        try:
+            resolve(plan, settings)
+        except Exception as exc:  # the test reads the error
+            err = exc
+    assert all(e.detail == str(source) for e in events)
+    return [(e.stage, e.phase) for e in events], err
+
+
+def test_resolve_announces_its_parts_in_order(tmp_path: Path, demo_model: Path, cache_dir: Path) -> None:
+    settings = Settings(cache_dir=cache_dir, work_dir=tmp_path / "work")  # type: ignore[call-arg]
+    parts = [RESOLVE_PARTS[k] for k in ("hash", "check", "scan")]
+    seen, err = _resolve_events(demo_model, settings)
+    assert err is None
+    assert seen == [(p, phase) for p in parts for phase in ("start", "done")]
+
+    nan = _with_value(copy_checkpoint(demo_model, tmp_path / "nan"), float("nan"))
+    seen, err = _resolve_events(nan, settings)
+    assert isinstance(err, InvalidCheckpointError) and "NaN/Inf" in str(err)
+    assert seen == [*[(p, phase) for p in parts[:2] for phase in ("start", "done")], (parts[2], "start"),
+                    (parts[2], "failed")]
+
+
+def test_a_format_refusing_the_request_stops_resolve_before_the_scan(tmp_path: Path, demo_model: Path,
+                                                                    cache_dir: Path) -> None:
+    """An IQ2_XXS without an importance matrix (the GGUF format's check refuses it) from a checkpoint with an
+    infinite weight: the check stops resolve before the scan would read every weight (at 70 B, minutes)."""
+    settings = Settings(cache_dir=cache_dir, work_dir=tmp_path / "work")  # type: ignore[call-arg]
+    source = _with_value(copy_checkpoint(demo_model, tmp_path / "inf"), float("inf"))
+    seen, err = _resolve_events(source, settings, GGUFSpec(type="IQ2_XXS"))
+    assert isinstance(err, InvalidSpecError) and "importance matrix" in str(err), err
+    assert seen == [(RESOLVE_PARTS["hash"], "start"), (RESOLVE_PARTS["hash"], "done"),
+                    (RESOLVE_PARTS["check"], "start"), (RESOLVE_PARTS["check"], "failed")]
+    with pytest.raises(InvalidCheckpointError, match="NaN/Inf"):  # the value the check stopped before reading
+        load_checkpoint(source, check_shapes=False)
