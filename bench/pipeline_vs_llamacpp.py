@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -117,6 +118,7 @@ class Way:
     load: Load | None = None  # the machine's CPU use while this way ran
     #: Quantyard: the parts of resolving the source (flows/steps.py RESOLVE_PARTS: hash, check, scan), seconds
     resolve_parts: dict[str, float] = field(default_factory=dict)
+    pin_s: float = 0.0  # Quantyard: of those, the seconds before its resolve event (the ledger check's hashing)
 
 
 @dataclass
@@ -296,7 +298,7 @@ def quantyard(ckpt: Path, text: Path, cfg: Settings, work: Path, windows: int, t
     report = json.loads(res.stdout)
     way = Way(total_s=total, flow_s=float(report["wall_s"]))
     way.steps["hash"] = _event_s(events, "resolve", str(ckpt))  # before the stage graph: not among its stages
-    way.resolve_parts = resolve_parts(events, str(ckpt))
+    way.resolve_parts, way.pin_s = resolve_parts(events, str(ckpt))
     for entry in report["stages"]:
         if entry["status"] in ("failed", "skipped", "reused"):
             raise RuntimeError(f"stage {entry['stage']} {entry['status']} in a fresh run: {entry.get('error')}")
@@ -329,15 +331,28 @@ RESOLVE_PARTS = {"resolve:hash": "content hash", "resolve:check": "config, shape
                  "resolve:scan": "NaN/Inf scan"}
 
 
-def resolve_parts(path: Path, detail: str) -> dict[str, float]:
-    """Seconds of each part of resolving the source (:data:`RESOLVE_PARTS`) the child logged; {} when it
-    logged none (a Quantyard from before the parts were announced)."""
+def resolve_parts(path: Path, detail: str) -> tuple[dict[str, float], float]:
+    """(seconds of each part of resolving the source (:data:`RESOLVE_PARTS`), summed over its occurrences;
+    the seconds of those that ran before the source's ``resolve`` event started) from the child's progress log.
+
+    The CLI pins the source before its resolve event (flows/reuse.py's ledger check: the content hash, once per
+    file, cached), so the resolve's own hash then reads that cache; both are the source's hashing. ({}, 0.0)
+    when the child logged no part (a Quantyard from before the parts were announced)."""
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    marks: dict[str, dict[str, float]] = {}
+    outer = next((t for t, s, d, phase in lines if (s, d, phase) == ("resolve", detail, "start")), math.inf)
+    parts: dict[str, float] = {}
+    before = 0.0
+    started: dict[str, float] = {}
     for t, s, d, phase in lines:
-        if s in RESOLVE_PARTS and d == detail:
-            marks.setdefault(s, {})[phase] = t
-    return {s: m["done"] - m["start"] for s, m in marks.items() if {"start", "done"} <= m.keys()}
+        if s not in RESOLVE_PARTS or d != detail:
+            continue
+        if phase == "start":
+            started[s] = t
+        elif phase == "done" and s in started:
+            secs = t - started.pop(s)
+            parts[s] = parts.get(s, 0.0) + secs
+            before += secs if t <= outer else 0.0
+    return parts, before
 
 
 def _event_s(path: Path, stage: str, detail: str) -> float:
@@ -362,7 +377,7 @@ def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
         (
             "resolve (hash the source)",
             None,
-            q["hash"] + q.get("resolve", 0.0),
+            q["hash"] + q.get("resolve", 0.0) + qy.pin_s,
             ", ".join(f"{RESOLVE_PARTS[k]} {v:.1f} s" for k, v in qy.resolve_parts.items())
             or "content hash, checkpoint load, format checks",
         ),
@@ -397,14 +412,15 @@ def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
     unshown = {k: v for k, v in q.items() if not k.startswith(shown)}
     if unshown:
         rows.append((f"other stages ({', '.join(unshown)})", None, sum(unshown.values()), "Quantyard only"))
-    outside = qy.total_s - qy.flow_s
+    outside = qy.total_s - qy.flow_s - qy.pin_s  # the ledger check's hashing is in the resolve row
     staged = sum(q.values())
     if together:
         staged += (qy.eval_wall_s or 0.0) - _sum(q, "evaluate:")
     rows += [
         ("other, in the run", None, qy.flow_s - staged,
          "registry, sweep, graph, ledger, report, waiting for Prefect's embedded server"),
-        ("other, outside the run", None, outside, "interpreter, imports, stopping Prefect's embedded server, JSON"),
+        ("other, outside the run", None, outside,
+         "interpreter, imports, the ledger check, stopping Prefect's embedded server, JSON"),
     ]
     return rows
 

@@ -19,7 +19,9 @@ Each size runs, in a child process with a fresh registry, cache and work dir (be
 TEXT --window 512 --stride 512 --score-from 257 --max-windows W --threads N --reference-engine R
 --json`` (R: ``--reference``, default llama.cpp: the F16 GGUF, the reference that scales to 70 B). Stage times
 are the report's ``dispatch_s``; resolving the source (before the stage graph: row ``hash``) is timed by its progress
-event, and its parts (``source:hash``, ``source:check``, ``source:scan``) by theirs.
+event plus the hashing the ledger's check did before it (flows/reuse.py: the CLI pins the source first, then the
+resolve reads the hash cache), and its parts (``source:hash``, both hashings; ``source:check``; ``source:scan``) by
+theirs. Before the parts were announced (2026-12-05) the ledger's hashing fell in ``other``.
 Peak memory: the summed RSS of this process's descendants (the child and everything it starts), sampled every
 :data:`SAMPLE_S` s in a thread and given to the stage whose start/end events enclose the sample (shared and
 file-backed pages, e.g. a memory-mapped GGUF, count once per process: an upper bound). Tokens: windows × 512
@@ -433,8 +435,9 @@ class RssSampler(threading.Thread):
 
 def intervals(events: Path, ckpt: Path) -> dict[str, tuple[float, float]]:
     """Stage -> (start, end) monotonic times from the child's progress log; ``hash`` is the source's
-    resolve event and ``source:*`` its parts (:data:`SOURCE_PARTS`), the others are named like the report's
-    stages (less an evaluation's engine)."""
+    resolve event and ``source:*`` its parts (:data:`SOURCE_PARTS`; of a part run twice, e.g. the hash by the
+    ledger's check and by the resolve, the longer run), the others are named like the report's stages (less an
+    evaluation's engine)."""
     starts: dict[str, float] = {}
     out: dict[str, tuple[float, float]] = {}
     for line in events.read_text().splitlines():
@@ -446,7 +449,9 @@ def intervals(events: Path, ckpt: Path) -> dict[str, tuple[float, float]]:
         if phase == "start":
             starts[key] = t
         elif key in starts:
-            out[key] = (starts.pop(key), t)
+            span = (starts.pop(key), t)
+            if key not in out or span[1] - span[0] > out[key][1] - out[key][0]:  # a part run twice: its longer run
+                out[key] = span
     return out
 
 
@@ -491,12 +496,14 @@ def measure(size: str, ckpt: Path, cfg: Settings, windows: int, threads: int,
         if res.returncode != 0:
             raise RuntimeError(f"quantyard convert exited {res.returncode}: {(res.stdout + res.stderr)[-3000:]}")
         spans = intervals(events, ckpt)
+        # the source's resolve parts; its hashing when the ledger's check did it first (before the resolve event)
+        parts, pinned = vs.resolve_parts(events, str(ckpt))
     report = json.loads(res.stdout)
     n_windows = int((report.get("window_set") or {}).get("n_windows") or windows)
-    stages = {"hash": StageRun(spans["hash"][1] - spans["hash"][0], peak_in(samples, spans["hash"]), 0)}
-    for part in SOURCE_PARTS.values():  # inside "hash": shown and fitted, not counted twice in "other"
-        if part in spans:
-            stages[part] = StageRun(spans[part][1] - spans[part][0], peak_in(samples, spans[part]), 0)
+    stages = {"hash": StageRun(spans["hash"][1] - spans["hash"][0] + pinned, peak_in(samples, spans["hash"]), 0)}
+    for event, part in SOURCE_PARTS.items():  # inside "hash": shown and fitted, not counted twice in "other"
+        if event in parts:
+            stages[part] = StageRun(parts[event], peak_in(samples, spans.get(part)), 0)
     for entry in report["stages"]:
         name = entry["stage"]
         if entry["status"] != "ran":

@@ -33,6 +33,7 @@ from pipeline.errors import SourceNotFoundError, ToolchainMissingError, UnknownF
 from pipeline.formats import FORMATS, format_info
 from pipeline.plan import SourceInput
 from pipeline.proc import REPO_ROOT
+from pipeline.progress import RESOLVE_PARTS, stage
 from pipeline.specs import SourceKind, SourceRef
 from registry.store import Registry
 
@@ -150,7 +151,8 @@ def pin_source(source: SourceInput, settings: Settings) -> tuple[str, SourceInpu
             raise SourceNotFoundError(f"source {source.source} does not exist",
                                       hint="pass an existing checkpoint folder or a hub id owner/name; in "
                                            "multi-machine mode a folder must be on a filesystem every worker mounts")
-        digest = content_hash(path, HashCache(settings.cache_dir / "hashes.sqlite"))
+        with stage(RESOLVE_PARTS["hash"], source.source):
+            digest = content_hash(path, HashCache(settings.cache_dir / "hashes.sqlite"))
         ref = SourceRef(kind=SourceKind.LOCAL, path=str(path.resolve()), content_hash=digest)
         return ref.identity, pinned_input(source, ref), ref
     commit = hub_commit(source.source, source.revision, HubOptions(

@@ -32,7 +32,7 @@ from pipeline.errors import InvalidArtifactError, QuantyardError
 from pipeline.formats import format_info
 from pipeline.fs import incomplete_pid
 from pipeline.plan import EvalSpec, GGUFOptions, Plan
-from pipeline.progress import stage
+from pipeline.progress import RESOLVE_PARTS, stage
 from pipeline.real_model import RealRecipe, cached_real_model
 from pipeline.specs import SourceKind, SourceRef, spec_digest, validate_model_name
 from pipeline.texts import calibration_text as pick_calibration_text
@@ -93,11 +93,6 @@ def take_preresolved(plan: Plan, settings: Settings) -> Resolved | None:
 def forget_preresolved() -> None:
     """Drop every source resolved ahead and not taken (a run that ended before its flow took it)."""
     _PRERESOLVED.clear()
-
-
-#: The parts of :func:`resolve`, each a progress event of its own (detail: the source as given): what a long
-#: resolve is doing shows while it runs, and bench/scaling.py times each part (their costs scale differently).
-RESOLVE_PARTS = {"hash": "resolve:hash", "fetch": "resolve:fetch", "check": "resolve:check", "scan": "resolve:scan"}
 
 
 def resolve(plan: Plan, settings: Settings) -> Resolved:

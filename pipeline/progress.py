@@ -16,6 +16,13 @@ class Event:
     phase: str  # "start" | "done" | "failed"
 
 
+#: The parts of resolving a source, each a progress event of its own (detail: the source as given), so what a
+#: long resolve is doing shows while it runs and bench/scaling.py can time each part (their costs scale
+#: differently): the folder's content hash (``fetch`` for a hub revision), the checks (config, shapes, tokenizer,
+#: the formats'), the NaN/Inf scan of every weight. ``hash`` also announces the ledger's pinning of a folder
+#: (flows/ledger.py ``pin_source``), which hashes it before the run decides whether anything must run.
+RESOLVE_PARTS = {"hash": "resolve:hash", "fetch": "resolve:fetch", "check": "resolve:check", "scan": "resolve:scan"}
+
 _listeners: list[Callable[[Event], None]] = []
 _lock = threading.Lock()
 

@@ -25,7 +25,7 @@ from pipeline.cli import app
 from pipeline.cli.convert import EvalFlags, GGUFFlags, SourceFlags, VariantFlags, plan_from_options
 from pipeline.config import Settings
 from pipeline.plan import Plan
-from pipeline.progress import Event, listening
+from pipeline.progress import RESOLVE_PARTS, Event, listening
 from pipeline.results import ConvertReport
 from tests.conftest import make_settings, procs_with_env, registry_snapshot
 
@@ -109,7 +109,10 @@ def test_a_rerun_starts_no_engine_no_conversion_no_evaluation_and_no_flow_run(
     progress: list[Event] = []
     with spawns() as spawned, listening(progress.append):
         again = convert(_plan(demo_model), cfg)
-    assert spawned == [] and progress == []  # no engine, converter or tool process; no stage started
+    assert spawned == []  # no engine, converter or tool process
+    # no stage started: the one event is the ledger's content hash of the source (its files' digests cached)
+    assert [(e.stage, e.detail, e.phase) for e in progress] == [(RESOLVE_PARTS["hash"], str(demo_model), p)
+                                                                for p in ("start", "done")]
     assert _flow_runs() == runs and registry_snapshot(Path(cfg.registry)) == registry
     assert again.ledger_only and again.ok
     assert [(s["stage"], s["status"]) for s in again.stages] == [(s["stage"], "reused") for s in first.stages]

@@ -15,11 +15,11 @@ import pytest
 import safetensors.numpy
 
 from converters.checkpoint import load_checkpoint
-from flows.steps import RESOLVE_PARTS, resolve, sweep_stale
+from flows.steps import resolve, sweep_stale
 from pipeline.config import Settings
 from pipeline.errors import InvalidCheckpointError, InvalidSpecError
 from pipeline.plan import Plan, SourceInput
-from pipeline.progress import Event, listening
+from pipeline.progress import RESOLVE_PARTS, Event, listening
 from pipeline.specs import GGUFSpec
 from tests.factories import copy_checkpoint
 
