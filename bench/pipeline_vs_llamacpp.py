@@ -79,6 +79,7 @@ from evaluators.llamacpp.crosscheck import LlamaKLD, kl_divergence, save_base
 from pipeline.config import Settings
 from pipeline.cpu import cpu_flags
 from pipeline.llama_cpp import LlamaCppToolchain, llama_cpp_toolchain
+from pipeline.progress import RESOLVE_PARTS as PARTS
 from pipeline.results import kld_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,7 +117,7 @@ class Way:
     variants: dict[str, dict[str, float | None]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     load: Load | None = None  # the machine's CPU use while this way ran
-    #: Quantyard: the parts of resolving the source (flows/steps.py RESOLVE_PARTS: hash, check, scan), seconds
+    #: Quantyard: the parts of resolving the source (pipeline/progress.py RESOLVE_PARTS: hash, check, scan), seconds
     resolve_parts: dict[str, float] = field(default_factory=dict)
     pin_s: float = 0.0  # Quantyard: of those, the seconds before its resolve event (the ledger check's hashing)
 
@@ -326,9 +327,10 @@ def quantyard(ckpt: Path, text: Path, cfg: Settings, work: Path, windows: int, t
     return way
 
 
-#: The parts of resolving a source, as flows/steps.py's RESOLVE_PARTS name their progress events, and what each does.
-RESOLVE_PARTS = {"resolve:hash": "content hash", "resolve:check": "config, shapes, tokenizer and format checks",
-                 "resolve:scan": "NaN/Inf scan"}
+#: The parts of resolving a source, by the progress events pipeline/progress.py's RESOLVE_PARTS names, and what
+#: each does (a renamed event fails here, at import, instead of silently leaving the parts out).
+RESOLVE_PARTS = {PARTS["hash"]: "content hash", PARTS["check"]: "config, shapes, tokenizer and format checks",
+                 PARTS["scan"]: "NaN/Inf scan"}
 
 
 def resolve_parts(path: Path, detail: str) -> tuple[dict[str, float], float]:

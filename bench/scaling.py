@@ -71,6 +71,7 @@ import pipeline_vs_llamacpp as vs
 
 from pipeline.config import Settings
 from pipeline.cpu import cpu_flags
+from pipeline.progress import RESOLVE_PARTS as PARTS
 
 SIZES = ("demo", "real", "big")
 DEFAULT_WINDOWS = {"demo": 16, "real": 16, "big": 8}
@@ -193,12 +194,12 @@ JOB_STAGES = (("hash", "1", "hash the source"), ("resolve", "1", "resolve stage"
               ("other", "1", "other: interpreter, imports, Prefect, registry, report"))
 
 
-#: The parts of the "hash" group (the source's resolve event), as flows/steps.py's RESOLVE_PARTS name their
+#: The parts of the "hash" group (the source's resolve event), as pipeline/progress.py's RESOLVE_PARTS name their
 #: progress events -> their group here. Measured since the parts were announced (older measurement files lack
 #: them); where all three are fitted the job is extrapolated from them instead of "hash": the checks are a fixed
 #: cost (imports, config, a model on the meta device, the tokenizer) that the whole event's line mixed with the
 #: per-byte hash and scan, so that line's slope was noise at these sizes.
-SOURCE_PARTS = {"resolve:hash": "source:hash", "resolve:check": "source:check", "resolve:scan": "source:scan"}
+SOURCE_PARTS = {PARTS[k]: f"source:{k}" for k in ("hash", "check", "scan")}
 SOURCE_PART_STAGES = (("source:hash", "1", "hash the source (content hash of its files)"),
                       ("source:check", "1", "check the source (config, shapes, tokenizer, formats)"),
                       ("source:scan", "1", "scan every weight for NaN/Inf"))
