@@ -163,5 +163,12 @@ def test_an_exl2_version_and_an_exl2_folder_validate_on_the_reference_engine(
         assert checks["quality"].status in ("pass", "fail") and checks["quality"].details["engine"] == "exl2-reference"
         quality.append(checks["quality"].details)
     assert [q["reused_result"] for q in quality] == [True, False]
-    assert quality[1]["kld_mean"] == pytest.approx(quality[0]["kld_mean"], rel=1e-6)
-    assert quality[1]["delta_ppl_pct"] == pytest.approx(quality[0]["delta_ppl_pct"], rel=1e-4, abs=1e-6)
+    for key in ("window_set_id", "n_windows", "kld_method"):
+        assert quality[1][key] == quality[0][key], key
+    # The same windows, reference and weights give the same numbers up to fp32's last bits. This quant is nearly
+    # lossless (KLD ~2.8e-6), so those bits are a visible fraction of it: in one CI run (2026-12-05) the fresh
+    # score read 2.776582e-06 against the stored 2.774758e-06 (1.8e-9 apart, both at 2 threads; the cause was
+    # not found). The bounds are 1e-8 on the KLD (the 95 % interval over windows is 8e-7 wide; llama-perplexity
+    # prints 6 decimals) and 1e-5 percentage points on the perplexity change.
+    assert quality[1]["kld_mean"] == pytest.approx(quality[0]["kld_mean"], rel=0, abs=1e-8)
+    assert quality[1]["delta_ppl_pct"] == pytest.approx(quality[0]["delta_ppl_pct"], rel=0, abs=1e-5)
