@@ -11,7 +11,9 @@ On the CPU the runner asks MKL for results that do not depend on the number of t
 ``quality.mkl_cbwr``). Without it, MKL's AVX2 code path (an AVX2-only CPU's; which path MKL takes on an AMD
 CPU was not checked) gave other logits at 1, 2, 3 and 4 threads (measured: up to 4.8e-7 apart in an attention
 block), so a KLD near zero moved with ``--threads``; MKL's AVX-512 path on Intel gave the same bits either way,
-and the same bits as STRICT. Cost measured on SmolLM2-135M, 8x512 tokens, 2 threads: none beyond noise on
+and the same bits as STRICT. Measured on Intel only: MKL documents its strict mode for Intel CPUs, and on
+another vendor the test of it (tests/evaluators/test_transformers_runner.py) reports what it finds as xfail.
+Cost measured on SmolLM2-135M, 8x512 tokens, 2 threads: none beyond noise on
 AVX-512, about 3 % on the AVX2 path.
 """
 
