@@ -13,8 +13,7 @@ CPU was not checked) gave other logits at 1, 2, 3 and 4 threads (measured: up to
 block), so a KLD near zero moved with ``--threads``; MKL's AVX-512 path on Intel gave the same bits either way,
 and the same bits as STRICT. Measured on Intel only: MKL documents its strict mode for Intel CPUs, and on
 another vendor the test of it (tests/evaluators/test_transformers_runner.py) reports what it finds as xfail.
-Cost measured on SmolLM2-135M, 8x512 tokens, 2 threads: none beyond noise on
-AVX-512, about 3 % on the AVX2 path.
+Cost measured on SmolLM2-135M, 8x512 tokens, 2 threads: none beyond noise on AVX-512, about 3 % on the AVX2 path.
 """
 
 from __future__ import annotations

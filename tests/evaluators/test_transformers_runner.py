@@ -63,13 +63,14 @@ def test_cpu_logits_do_not_depend_on_the_thread_count(tmp_path: Path, demo_model
     assert r1["quality"]["mkl_cbwr"] == r2["quality"]["mkl_cbwr"] == "AUTO,STRICT"
     assert one.keys() == two.keys() and "target_logprob" in one
     unequal = [k for k in one if not np.array_equal(one[k], two[k])]
-    if unequal and _vendor() != "GenuineIntel":
+    intel = (vendor := _vendor()) == "GenuineIntel"
+    if unequal and not intel:
         # MKL documents its strict mode for Intel CPUs; on another vendor this is what was found, shown, not passed
-        pytest.xfail(f"on a {_vendor() or 'unknown'} CPU, MKL_CBWR=AUTO,STRICT left {unequal} different at 1 and "
+        pytest.xfail(f"on a {vendor or 'unknown'} CPU, MKL_CBWR=AUTO,STRICT left {unequal} different at 1 and "
                      "2 threads: the runner's logits depend on the thread count there")
     assert not unequal, unequal
     (c1, plain1), (_, plain2) = run(1, {"MKL_CBWR": "AUTO"}), run(2, {"MKL_CBWR": "AUTO"})
     assert c1["quality"]["mkl_cbwr"] == "AUTO"  # the caller's setting is kept, and recorded
     differs = not np.array_equal(plain1["target_logprob"], plain2["target_logprob"])
-    if _vendor() == "GenuineIntel":
+    if intel:
         assert differs, "without STRICT, MKL's AVX2 path gave the same bits at 1 and 2 threads: the check shows nothing"
