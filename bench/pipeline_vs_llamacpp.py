@@ -298,8 +298,9 @@ def quantyard(ckpt: Path, text: Path, cfg: Settings, work: Path, windows: int, t
         raise RuntimeError(f"quantyard convert exited {res.returncode}: {(res.stdout + res.stderr)[-3000:]}")
     report = json.loads(res.stdout)
     way = Way(total_s=total, flow_s=float(report["wall_s"]))
-    way.steps["hash"] = _event_s(events, "resolve", str(ckpt))  # before the stage graph: not among its stages
-    way.resolve_parts, way.pin_s = resolve_parts(events, str(ckpt))
+    logged = read_events(events)
+    way.steps["hash"] = _event_s(logged, "resolve", str(ckpt))  # before the stage graph: not among its stages
+    way.resolve_parts, way.pin_s = resolve_parts(logged, str(ckpt))
     for entry in report["stages"]:
         if entry["status"] in ("failed", "skipped", "reused"):
             raise RuntimeError(f"stage {entry['stage']} {entry['status']} in a fresh run: {entry.get('error')}")
@@ -333,14 +334,27 @@ RESOLVE_PARTS = {PARTS["hash"]: "content hash", PARTS["check"]: "config, shapes,
                  PARTS["scan"]: "NaN/Inf scan"}
 
 
-def resolve_parts(path: Path, detail: str) -> tuple[dict[str, float], float]:
+#: One progress event as the child logs it: (monotonic time, stage, detail, phase).
+Event = tuple[float, str, str, str]
+
+
+def read_events(path: Path) -> list[Event]:
+    """The child's progress log (:data:`CHILD`), read once for every summary taken of it."""
+    out: list[Event] = []
+    for line in path.read_text().splitlines():
+        t, stage, detail, phase = json.loads(line)
+        out.append((float(t), str(stage), str(detail), str(phase)))
+    return out
+
+
+def resolve_parts(lines: list[Event], detail: str) -> tuple[dict[str, float], float]:
     """(seconds of each part of resolving the source (:data:`RESOLVE_PARTS`), summed over its occurrences;
-    the seconds of those that ran before the source's ``resolve`` event started) from the child's progress log.
+    the seconds of those that ran before the source's ``resolve`` event started) from the child's progress log
+    (:func:`read_events`).
 
     The CLI pins the source before its resolve event (flows/reuse.py's ledger check: the content hash, once per
     file, cached), so the resolve's own hash then reads that cache; both are the source's hashing. ({}, 0.0)
     when the child logged no part (a Quantyard from before the parts were announced)."""
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
     outer = next((t for t, s, d, phase in lines if (s, d, phase) == ("resolve", detail, "start")), math.inf)
     parts: dict[str, float] = {}
     before = 0.0
@@ -357,9 +371,8 @@ def resolve_parts(path: Path, detail: str) -> tuple[dict[str, float], float]:
     return parts, before
 
 
-def _event_s(path: Path, stage: str, detail: str) -> float:
+def _event_s(lines: list[Event], stage: str, detail: str) -> float:
     """Seconds between the start and the end of one progress event the child logged."""
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
     marks = {phase: t for t, s, d, phase in lines if s == stage and d == detail}
     return float(marks["done"] - marks["start"])
 

@@ -434,15 +434,14 @@ class RssSampler(threading.Thread):
         return self.samples
 
 
-def intervals(events: Path, ckpt: Path) -> dict[str, tuple[float, float]]:
+def intervals(events: list[vs.Event], ckpt: Path) -> dict[str, tuple[float, float]]:
     """Stage -> (start, end) monotonic times from the child's progress log; ``hash`` is the source's
     resolve event and ``source:*`` its parts (:data:`SOURCE_PARTS`; of a part run twice, e.g. the hash by the
     ledger's check and by the resolve, the longer run), the others are named like the report's stages (less an
     evaluation's engine)."""
     starts: dict[str, float] = {}
     out: dict[str, tuple[float, float]] = {}
-    for line in events.read_text().splitlines():
-        t, stage, detail, phase = json.loads(line)
+    for t, stage, detail, phase in events:
         if detail == str(ckpt) and stage in SOURCE_PARTS:
             key = SOURCE_PARTS[stage]
         else:
@@ -496,9 +495,10 @@ def measure(size: str, ckpt: Path, cfg: Settings, windows: int, threads: int,
         total = time.perf_counter() - t0
         if res.returncode != 0:
             raise RuntimeError(f"quantyard convert exited {res.returncode}: {(res.stdout + res.stderr)[-3000:]}")
-        spans = intervals(events, ckpt)
+        logged = vs.read_events(events)  # read once for both summaries
+        spans = intervals(logged, ckpt)
         # the source's resolve parts; its hashing when the ledger's check did it first (before the resolve event)
-        parts, pinned = vs.resolve_parts(events, str(ckpt))
+        parts, pinned = vs.resolve_parts(logged, str(ckpt))
     report = json.loads(res.stdout)
     n_windows = int((report.get("window_set") or {}).get("n_windows") or windows)
     stages = {"hash": StageRun(spans["hash"][1] - spans["hash"][0] + pinned, peak_in(samples, spans["hash"]), 0)}
