@@ -8,11 +8,13 @@ records the devices the weights were placed on (``quality.devices``).
 
 On the CPU the runner asks MKL for results that do not depend on the number of threads
 (``MKL_CBWR=AUTO,STRICT``, set before torch loads unless the caller set ``MKL_CBWR``, and recorded as
-``quality.mkl_cbwr``). Without it, MKL's AVX2 code path (an AVX2-only CPU's; which path MKL takes on an AMD
-CPU was not checked) gave other logits at 1, 2, 3 and 4 threads (measured: up to 4.8e-7 apart in an attention
-block), so a KLD near zero moved with ``--threads``; MKL's AVX-512 path on Intel gave the same bits either way,
-and the same bits as STRICT. Measured on Intel only: MKL documents its strict mode for Intel CPUs, and on
-another vendor the test of it (tests/evaluators/test_transformers_runner.py) reports what it finds as xfail.
+``quality.mkl_cbwr``). Without it, MKL's AVX2 code path on Intel (an AVX2-only Intel CPU's) gave other logits at
+1, 2, 3 and 4 threads (measured: up to 4.8e-7 apart in an attention block), so a KLD near zero moved with
+``--threads``; MKL's AVX-512 path on Intel gave the same bits either way, and the same bits as STRICT. On an AMD
+EPYC with AVX-512 (2026-12-06) MKL ran its path for non-Intel processors whatever MKL_ENABLE_INSTRUCTIONS said, and
+gave the same bits at 1 and 2 threads with and without STRICT (bench/results/mkl_thread_invariance_amd_2026-12-06.txt).
+MKL documents its strict mode for Intel CPUs; on another vendor the test of it
+(tests/evaluators/test_transformers_runner.py) reports a difference as xfail.
 Cost measured on SmolLM2-135M, 8x512 tokens, 2 threads: none beyond noise on AVX-512, about 3 % on the AVX2 path.
 """
 
