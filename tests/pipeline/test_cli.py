@@ -134,6 +134,53 @@ def test_leaving_keeps_the_exit_status_the_output_and_the_exit_handlers(tmp_path
         assert out.with_suffix(".thread").read_text() == "done"
 
 
+LEAVE_AFTER_A_FAILED_FLOW = """\
+import sys
+from pathlib import Path
+from pipeline.cli import leave  # first, as in the command: its imports (logging's exit handler) come before the server
+from flows import embedded
+server = embedded.start(Path(sys.argv[1]))
+assert server is not None and server.decision() == "url"
+from prefect import flow, get_run_logger
+server.ready()
+
+@flow
+def fails() -> None:
+    get_run_logger().error("the-marker of a failed run")
+    raise RuntimeError("failed on purpose")
+
+try:
+    fails()
+except RuntimeError:
+    pass
+leave(3)
+"""
+
+
+def test_leaving_sends_a_failed_runs_logs_before_the_embedded_server_stops(tmp_path: Path) -> None:
+    """A failed flow's error logs reach Prefect's embedded server: Prefect's log worker drains (a threading
+    exit hook) before Quantyard's atexit handler stops the server, as in a normal exit. ``leave`` once ran
+    only the atexit handlers: the server went first (logging's own handler, which also flushes Prefect's, was
+    registered before it and so runs after it), the logs were lost and the command's last words were Prefect's
+    "Error logging to API"."""
+    import os
+    import sqlite3
+
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_LOGGING_TO_API_BATCH_INTERVAL="60")  # longer than the run: only a drain sends them
+    res = subprocess.run([sys.executable, "-c", LEAVE_AFTER_A_FAILED_FLOW, str(tmp_path / "logs")], env=env,
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=180)
+    assert res.returncode == 3, res.stderr[-3000:]
+    assert "Error logging to API" not in res.stderr, res.stderr[-3000:]
+    with sqlite3.connect(home / "prefect.db") as db:
+        (state,) = db.execute("SELECT state_name FROM flow_run WHERE name IS NOT NULL").fetchone()
+        messages = [m for (m,) in db.execute("SELECT message FROM log")]
+    assert state == "Failed"
+    assert "the-marker of a failed run" in messages, messages
+
+
 def test_pull_verifies(tmp_path: Path, demo_registry: Path) -> None:
     result = CliRunner().invoke(app, ["pull", "demo/Q8_0@1", str(tmp_path / "out"), "--registry", str(demo_registry)])
     assert result.exit_code == 0, result.output
