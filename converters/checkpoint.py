@@ -215,9 +215,18 @@ def _known_model_types() -> set[str]:
 
 
 def _check_shapes(ckpt: Checkpoint) -> None:
-    """Compare tensor shapes with those transformers builds from config.json (on the meta device)."""
+    """Compare tensor names and shapes with those transformers builds from config.json (on the meta device).
+
+    A checkpoint on disk need not use the names of the model transformers builds: transformers 5 renames and
+    fuses weights as it loads them (its conversion mapping: GPT-NeoX's ``embed_out`` becomes ``lm_head``,
+    Mixtral's and Qwen2-MoE's per-expert linears become one fused tensor per layer) and reverses that when it
+    saves. So the expected tensors are taken in both layouts, the model's and the saved one
+    (``revert_weight_conversion``, what ``save_pretrained`` writes), and a checkpoint is complete when it holds
+    every tensor of either; weights tied to another (the output head of a tied-embedding model) need not be
+    stored."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     try:
         config = AutoConfig.from_pretrained(ckpt.path, trust_remote_code=False)
@@ -226,14 +235,21 @@ def _check_shapes(ckpt: Checkpoint) -> None:
     except Exception as exc:  # transformers raises many types for bad configs
         raise InvalidCheckpointError(f"config.json in {ckpt.path} does not describe a causal LM that "
                                      f"transformers can build: {exc}") from exc
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {}) | {k for k in ("lm_head.weight",)
+                                                                         if _tied(k, config)}
+    state = {k: v for k, v in model.state_dict().items() if k not in tied}
+    layouts = [{k: tuple(v.shape) for k, v in state.items()}]
+    saved = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, dict(state)).items()}
+    if saved != layouts[0]:
+        layouts.insert(0, saved)  # the saved layout first: what checkpoints on disk hold
+    shapes = {k: v for layout in reversed(layouts) for k, v in layout.items()}
     for name, t in ckpt.tensors.items():
-        want = expected.get(name)
+        want = shapes.get(name)
         if want is not None and want != t.shape:
             raise InvalidCheckpointError(
                 f"tensor {name} in {t.file} has shape {list(t.shape)} but config.json implies {list(want)}",
                 hint="the weights do not belong to this config; check hidden_size / vocab_size / layers")
-    missing = [k for k in expected if k not in ckpt.tensors and not _tied(k, config)]
+    missing = min(([k for k in layout if k not in ckpt.tensors] for layout in layouts), key=len)
     if missing and ckpt.tensors:
         raise InvalidCheckpointError(
             f"{len(missing)} tensors that config.json implies are missing, e.g. {missing[0]}",

@@ -86,6 +86,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # llama.cpp's Phi-3 vocabulary loader looks up Phi-3's own special tokens by name.
     "phi3": {"model_type": "phi3", "pad_token_id": 0,
              "special_tokens": ["<|endoftext|>", "<|end|>", "<|user|>", "<|assistant|>"]},
+    # transformers 5 fuses each MoE layer's experts into one 3-D parameter as it loads them; on disk (and as
+    # save_pretrained writes them) they stay one linear per expert, ``block_sparse_moe.experts.N.w1``.
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    # stored as ``embed_out``, loaded as ``lm_head`` (a renaming in transformers 5's conversion mapping);
+    # rotary_pct as real GPT-NeoX configs (Pythia) spell it, which llama.cpp's converter reads.
+    "gpt_neox": {"model_type": "gpt_neox", "rotary_pct": 0.25},
+    # an architecture ExLlamaV2 does not know (it would load it as a Llama)
+    "falcon": {"model_type": "falcon"},
 }
 
 

@@ -17,7 +17,7 @@ from pipeline.errors import (
     UnsafeSourceError,
     UnsupportedArchitectureError,
 )
-from tests.factories import copy_checkpoint, edit_config, truncate
+from tests.factories import arch_checkpoint, copy_checkpoint, edit_config, truncate
 
 
 def test_demo_checkpoint_is_valid(demo_model: Path) -> None:
@@ -58,6 +58,31 @@ def test_shapes_must_match_config(tmp_path: Path, demo_model: Path) -> None:
     ckpt = copy_checkpoint(demo_model, tmp_path / "m")
     edit_config(ckpt, hidden_size=512)
     with pytest.raises(InvalidCheckpointError, match=r"config\.json implies"):
+        load_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize(("arch", "stored", "loaded"), [
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.0.w1.weight", "model.layers.0.mlp.experts.gate_up_proj"),
+    ("gpt_neox", "embed_out.weight", "lm_head.weight"),
+])
+def test_weights_that_transformers_fuses_or_renames_as_it_loads_are_found(tmp_path: Path, demo_model: Path,
+                                                                         arch: str, stored: str, loaded: str) -> None:
+    """Checkpoints hold the names save_pretrained writes, not those of the model transformers 5 builds (per-expert
+    linears it fuses; GPT-NeoX's ``embed_out``): a complete Mixtral or Pythia is not 'incomplete'."""
+    ckpt = arch_checkpoint(tmp_path / arch, demo_model, arch, layers=1)
+    tensors = load_checkpoint(ckpt).tensors
+    assert stored in tensors and loaded not in tensors
+
+
+def test_a_moe_checkpoint_without_one_expert_is_incomplete(tmp_path: Path, demo_model: Path) -> None:
+    import safetensors.torch
+
+    ckpt = arch_checkpoint(tmp_path / "mixtral", demo_model, "mixtral", layers=1)
+    weights = safetensors.torch.load_file(ckpt / "model.safetensors")
+    del weights["model.layers.0.block_sparse_moe.experts.1.w2.weight"]
+    safetensors.torch.save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InvalidCheckpointError,
+                       match=r"^1 tensors .* missing, e\.g\. model\.layers\.0\.block_sparse_moe\.experts\.1\.w2"):
         load_checkpoint(ckpt)
 
 

@@ -1,5 +1,6 @@
 """Real-world checkpoint shapes through the real flow: sharded bf16 Mistral, tied-embedding Llama, and the
-other architectures llama.cpp's converter supports (tiny random weights, demo tokenizer, no downloads).
+other architectures llama.cpp's converter supports, a MoE among them (Mixtral: its experts are stored one linear
+each, which transformers 5 fuses as it loads; tiny random weights, demo tokenizer, no downloads).
 
 The random checkpoints use a large init range so their next-token distributions are peaked (entropy
 about 2 nats rather than the uniform 8.3): a wrongly converted model then shows up as a large KLD
@@ -92,7 +93,7 @@ def test_tied_embedding_llama_converts_evaluates_registers(checkpoints: dict[str
     _assert_evaluated_close(view)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "phi3", "mixtral"])
 def test_other_architectures_convert_with_tokenizer_parity(arch: str, tmp_path: Path, demo_model: Path,
                                                            settings: Settings, prefect_harness: None) -> None:
     ckpt = arch_checkpoint(tmp_path / f"tiny-{arch}", demo_model, arch, layers=1, **PEAKED)
