@@ -42,6 +42,17 @@ CODEC_VERSION = "1"  # reference-cpu: bump whenever the bytes it writes change
 MEASUREMENT_KIND = "exl2_measurement"
 
 
+#: The text architectures ExLlamaV2 0.3.2 (the pinned version) loads by name (``exllamav2/architecture.py``,
+#: its ``arch_string`` branches). It loads any other name as a Llama after printing a warning, so an EXL2 of
+#: another architecture would be a file no engine reads correctly: refused here for both backends.
+EXLLAMAV2_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "YiForCausalLM", "OrionForCausalLM",
+    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+    "Starcoder2ForCausalLM", "GemmoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "DbrxForCausalLM",
+    "Phi3ForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "MiniCPMForCausalLM", "InternLM2ForCausalLM",
+    "IndexForCausalLM", "GraniteForCausalLM", "Glm4ForCausalLM",
+})
+
 @dataclass(frozen=True)
 class CalibrationSize:
     """Calibration rows × tokens per row (capped by the text's length at run time)."""
@@ -121,11 +132,13 @@ class EXL2Converter:
     # -- checks ----------------------------------------------------------------------------------
 
     def check(self, checkpoint: Checkpoint, specs: list[Any]) -> None:
-        """Fail fast: a causal LM whose linear input widths are multiples of 32, and a usable backend."""
+        """Fail fast: an architecture ExLlamaV2 loads, linear input widths that are multiples of 32, a usable
+        backend, and for the reference codec a model whose every weight matrix it can write as EXL2."""
         arch = checkpoint.architecture
-        if not arch.endswith("ForCausalLM"):
-            raise UnsupportedArchitectureError(f"EXL2 needs a causal LM, {checkpoint.path} is {arch}",
-                                               supported=["*ForCausalLM"])
+        if arch not in EXLLAMAV2_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"ExLlamaV2 0.3.2 does not load {arch} ({checkpoint.path}): it would read an EXL2 of it as a Llama",
+                supported=sorted(EXLLAMAV2_ARCHITECTURES), hint="convert this checkpoint to GGUF or AWQ instead")
         cfg = checkpoint.config.get("text_config") or checkpoint.config
         for key in ("hidden_size", "intermediate_size"):
             value = cfg.get(key)
@@ -135,6 +148,16 @@ class EXL2Converter:
                     supported=["causal LMs whose hidden and intermediate sizes are multiples of 32"])
         if any(self.resolve_spec(s).backend == EXL2Backend.EXLLAMAV2 for s in specs):
             exl2_env.require(self.settings)
+        if any(self.resolve_spec(s).backend == EXL2Backend.REFERENCE_CPU for s in specs):
+            gaps = reference_codec_gaps(checkpoint.path)
+            if gaps:
+                raise UnsupportedArchitectureError(
+                    f"the reference-cpu EXL2 codec cannot write {arch} ({checkpoint.path}): {gaps[0]}"
+                    + (f" (and {len(gaps) - 1} more)" if len(gaps) > 1 else ""),
+                    supported=["dense models whose weight matrices are all nn.Linear, stored under the names "
+                               "transformers gives them"],
+                    hint="on a CUDA machine the exllamav2 backend converts it (--exl2-backend exllamav2); "
+                         "here, convert it to GGUF")
 
     # -- shared work: the measurement ------------------------------------------------------------
 
@@ -327,6 +350,36 @@ def exllamav2_calibration(ckpt: Checkpoint, text: str, size: CalibrationSize = E
             "measurement_rows": max(1, min(size.measurement_rows, usable // m_length)),
             "measurement_length": m_length, "text_tokens": n}
 
+
+def reference_codec_gaps(path: Path) -> list[str]:
+    """What the reference codec could not write faithfully for the checkpoint at ``path`` (empty: nothing).
+
+    It quantizes the ``nn.Linear`` layers of the model transformers builds and writes every tensor under that
+    model's names, as ExLlamaV2 reads a checkpoint's. Two things break that, both found on the meta device
+    (no weights read): a weight matrix outside ``nn.Linear`` (transformers 5 fuses a MoE layer's experts
+    into one 3-D parameter; GPT-2's layers are ``Conv1D``), which would be stored unquantized in a file named
+    for its bits per weight; and names transformers changes as it loads (its conversion mapping, e.g.
+    GPT-NeoX's ``embed_out``), which ExLlamaV2 would not find."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    written = {f"{name}.weight" for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear | torch.nn.Embedding)}
+    state = model.state_dict()
+    outside = sorted(((name, t) for name, t in state.items() if t.ndim >= 2 and name not in written),
+                     key=lambda item: -item[1].numel())  # the largest first: fused experts before a router
+    gaps = [f"{name} (shape {list(t.shape)}) is not an nn.Linear weight: it would stay unquantized"
+            for name, t in outside]
+    saved = revert_weight_conversion(model, dict(state))
+    renamed = sorted(set(state) - set(saved))
+    if renamed:
+        gaps.append(f"transformers renames {renamed[0]} as it loads it ({len(renamed)} tensors): the file would "
+                    "not use the checkpoint's names")
+    return gaps
 
 def _failed(res: ProcResult, what: str, folder: Path) -> Exception:
     if res.disk_full:

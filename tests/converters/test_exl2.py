@@ -20,7 +20,7 @@ from pipeline.exl2_codec import decode, layer_prefixes, split_layer
 from pipeline.specs import EXL2Backend, EXL2Spec
 from registry import open_registry
 from tests.exl2_support import exl2_demo  # noqa: F401  (session fixture)
-from tests.factories import copy_checkpoint, edit_config
+from tests.factories import arch_checkpoint, copy_checkpoint, edit_config
 
 BPWS = (4.0, 6.0, 8.0)
 
@@ -55,6 +55,27 @@ def test_widths_that_are_not_multiples_of_32_are_refused(tmp_path: Path, demo_mo
     edit_config(ckpt, intermediate_size=770)
     with pytest.raises(UnsupportedArchitectureError, match="intermediate_size"):
         EXL2Converter(settings).check(load_checkpoint(ckpt, check_shapes=False), [EXL2Spec(bpw=4.0)])
+
+
+def test_an_architecture_exllamav2_does_not_load_is_refused_for_every_backend(tmp_path: Path, demo_model: Path,
+                                                                               settings: Settings) -> None:
+    """ExLlamaV2 loads an architecture it does not know as a Llama: an EXL2 of Falcon would be unreadable."""
+    ckpt = load_checkpoint(arch_checkpoint(tmp_path / "falcon", demo_model, "falcon", layers=1))
+    for backend in EXL2Backend:
+        with pytest.raises(UnsupportedArchitectureError, match=r"ExLlamaV2 0\.3\.2 does not load FalconForCausalLM"):
+            EXL2Converter(settings).check(ckpt, [EXL2Spec(bpw=4.0, backend=backend)])
+
+
+def test_the_reference_codec_refuses_weights_it_would_leave_unquantized(tmp_path: Path, demo_model: Path,
+                                                                       settings: Settings) -> None:
+    """Mixtral is an ExLlamaV2 architecture, but transformers 5 holds its experts as fused 3-D parameters, not
+    nn.Linear: the reference codec would write them in fp16 under names ExLlamaV2 does not read."""
+    ckpt = load_checkpoint(arch_checkpoint(tmp_path / "mixtral", demo_model, "mixtral", layers=1))
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        EXL2Converter(settings).check(ckpt, [EXL2Spec(bpw=4.0, backend=EXL2Backend.REFERENCE_CPU)])
+    assert "model.layers.0.mlp.experts.gate_up_proj" in info.value.message
+    assert "would stay unquantized" in info.value.message and "exllamav2" in str(info.value.hint)
+    EXL2Converter(settings).check(load_checkpoint(demo_model), [EXL2Spec(bpw=4.0, backend=EXL2Backend.REFERENCE_CPU)])
 
 
 # --- end to end (reference-cpu) -------------------------------------------------------------------
