@@ -9,6 +9,7 @@ and what to do.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 EXIT_OK = 0
@@ -17,6 +18,20 @@ EXIT_USAGE = 2
 EXIT_ENGINE = 3
 EXIT_INTERNAL = 4
 
+
+#: The last line of a Python traceback: ``ValueError: …``, ``torch.OutOfMemoryError: …``, ``KeyError: 'n_ctx'``.
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
+
+
+def cause_line(stderr_tail: str, limit: int = 300) -> str | None:
+    """The line of a failed tool's stderr that names its failure: the last line that reads like a Python
+    exception (the last line of its traceback); None where there is none (the tool said something else,
+    and the log named in the error's hint holds it)."""
+    for line in reversed(stderr_tail.splitlines()):
+        line = line.strip()
+        if _EXCEPTION_LINE.match(line):
+            return line if len(line) <= limit else line[:limit - 1] + "…"
+    return None
 
 class QuantyardError(Exception):
     """Base of all Quantyard errors."""
@@ -33,8 +48,11 @@ class QuantyardError(Exception):
         super().__init__(message if hint is None else f"{message}\n  → {hint}")
 
     def summary(self) -> str:
-        """One line for tables and stored results: type, message and what to do (a log path, often)."""
-        return f"{type(self).__name__}: {self.message}" + (f" → {self.hint}" if self.hint else "")
+        """One line for tables and stored results: type, message, the tool's own last words where it failed
+        with a Python exception (:func:`cause_line` of its stderr), and what to do (a log path, often)."""
+        cause = cause_line(getattr(self, "stderr_tail", "") or "")
+        shown = f" ({cause})" if cause and cause not in self.message else ""
+        return f"{type(self).__name__}: {self.message}{shown}" + (f" → {self.hint}" if self.hint else "")
 
     def to_dict(self) -> dict[str, str | None]:
         return {"error": self.code, "type": type(self).__name__, "message": self.message, "hint": self.hint}

@@ -102,8 +102,9 @@ class AWQConverter:
         that does not divide every linear layer's input width, a calibration file that changed."""
         if not checkpoint.architecture.endswith("ForCausalLM"):
             raise UnsupportedArchitectureError(
-                f"AWQ needs a causal LM, found {checkpoint.architecture}", supported=["*ForCausalLM"],
-                hint="pass a decoder-only causal-LM checkpoint")
+                f"AWQ here takes *ForCausalLM architectures (the model classes llm-compressor's and AutoAWQ's "
+                f"layer mappings are written for), found {checkpoint.architecture}", supported=["*ForCausalLM"],
+                hint="convert this checkpoint to GGUF, or pass a *ForCausalLM checkpoint")
         for spec in specs:
             if spec.backend == AWQBackend.AUTOAWQ and spec.bits != 4:
                 raise InvalidSpecError(f"AutoAWQ writes 4-bit GEMM checkpoints only, {spec.bits} bits requested",
