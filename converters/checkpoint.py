@@ -337,6 +337,14 @@ def load_checkpoint(path: Path, *, allow_pickle: bool = False, trust_remote_code
         raise UnsupportedArchitectureError(
             f"model_type {config['model_type']!r} in {cfg_path} is unknown to transformers",
             supported=sorted(known), hint="check config.json; custom architectures are not supported")
+    quantized = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if isinstance(quantized, dict) and quantized:
+        method = quantized.get("quant_method", "unnamed")
+        raise InvalidCheckpointError(
+            f"{cfg_path} describes an already quantized checkpoint (quantization_config.quant_method = "
+            f"{method!r}): Quantyard quantizes an unquantized source and measures every variant against it, "
+            "so a quantized source would be quantized twice and its KLD measured against a quantized model",
+            hint="pass the unquantized checkpoint it was made from (its base model: bf16, fp16 or fp32 weights)")
     if config.get("auto_map") and not trust_remote_code:
         raise UnsafeSourceError(f"{cfg_path} asks to run remote code (auto_map)",
                                 hint="pass --trust-remote-code only if you trust this repository")

@@ -44,6 +44,12 @@ def _unknown_type(tmp: Path, demo: Path) -> Path:
     return ckpt
 
 
+def _quantized(tmp: Path, demo: Path) -> Path:
+    ckpt = copy_checkpoint(demo, tmp / "m")
+    edit_config(ckpt, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"})
+    return ckpt
+
+
 def _bpe(tmp: Path, demo: Path) -> Path:
     return bytelevel_bpe_checkpoint(tmp / "bpe", demo)
 
@@ -54,6 +60,7 @@ CASES: dict[str, tuple[Callable[[Path, Path], Path], str, str]] = {
     "truncated-safetensors": (_truncated, "InvalidCheckpointError", "truncated"),
     "unknown-model-type": (_unknown_type, "UnsupportedArchitectureError", "not-a-model"),
     "bytelevel-bpe-tokenizer": (_bpe, "TokenizerUnsupportedError", "pre-tokenizer"),
+    "already-quantized": (_quantized, "InvalidCheckpointError", "already quantized"),
 }
 
 
