@@ -337,6 +337,15 @@ def load_checkpoint(path: Path, *, allow_pickle: bool = False, trust_remote_code
         raise UnsupportedArchitectureError(
             f"model_type {config['model_type']!r} in {cfg_path} is unknown to transformers",
             supported=sorted(known), hint="check config.json; custom architectures are not supported")
+    if not (config.get("architectures") or (config.get("text_config") or {}).get("architectures")):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"])
+        raise InvalidCheckpointError(
+            f"{cfg_path} has no 'architectures': llama.cpp's converter and vLLM take the model class from it",
+            hint=(f'add "architectures": ["{cls}"] (transformers\' causal-LM class for model_type '
+                  f'{config["model_type"]!r}) to config.json, or re-save it with save_pretrained()') if cls else
+                 "re-save the model with save_pretrained(), which writes it")
     quantized = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if isinstance(quantized, dict) and quantized:
         method = quantized.get("quant_method", "unnamed")

@@ -86,6 +86,17 @@ def test_a_moe_checkpoint_without_one_expert_is_incomplete(tmp_path: Path, demo_
         load_checkpoint(ckpt)
 
 
+def test_a_config_without_architectures_is_refused_naming_the_class_to_add(tmp_path: Path, demo_model: Path) -> None:
+    """llama.cpp's converter stops on it ("Failed to detect model architecture"); the check says what to add."""
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["architectures"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidCheckpointError, match="has no 'architectures'") as info:
+        load_checkpoint(ckpt)
+    assert '"architectures": ["LlamaForCausalLM"]' in str(info.value.hint)
+
+
 def test_remote_code_refused(tmp_path: Path, demo_model: Path) -> None:
     ckpt = copy_checkpoint(demo_model, tmp_path / "m")
     edit_config(ckpt, auto_map={"AutoModelForCausalLM": "modeling_x.X"})
