@@ -90,8 +90,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # save_pretrained writes them) they stay one linear per expert, ``block_sparse_moe.experts.N.w1``.
     "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
     # stored as ``embed_out``, loaded as ``lm_head`` (a renaming in transformers 5's conversion mapping);
-    # rotary_pct as real GPT-NeoX configs (Pythia) spell it, which llama.cpp's converter reads.
+    # rotary_pct as Pythia's config spells it; transformers 5 saves it as rope_parameters.partial_rotary_factor
+    # (llama.cpp's converter is given it back: converters/gguf/converter.py converter_config).
     "gpt_neox": {"model_type": "gpt_neox", "rotary_pct": 0.25},
+    # GPT-2: transformers 5 saves n_positions only, where llama.cpp's converter reads n_ctx
+    "gpt2": {"model_type": "gpt2"},
     # an architecture ExLlamaV2 does not know (it would load it as a Llama)
     "falcon": {"model_type": "falcon"},
 }

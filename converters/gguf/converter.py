@@ -57,6 +57,7 @@ from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, GGUFType, QuantFormat
 from pipeline.texts import file_text, text_sha256
 
 WORKER = "converters.gguf.workers.quantize"
+CONVERT_WORKER = "converters.gguf.workers.hf_to_gguf"  # the converter with hyperparameters supplied
 IMATRIX_KIND = "imatrix"
 PARITY_DIR = "gguf-parity"  # under the work dir: recorded tokenizer agreements, by parity key
 
@@ -287,8 +288,11 @@ class GGUFConverter:
             raise DiskFullError(dest.parent, needed=need, free=free)
         with atomic_path(dest) as tmp:  # unique name: concurrent runs never clash; removed on failure
             tools = self.llama_cpp()
-            cmd = [self.python, str(tools.converter), str(ctx.checkpoint.path),
-                   "--outfile", str(tmp), "--outtype", base_type.lower(), "--model-name", ctx.file_stem]
+            args = [str(ctx.checkpoint.path), "--outfile", str(tmp), "--outtype", base_type.lower(),
+                    "--model-name", ctx.file_stem]
+            supplied = converter_config(ctx.checkpoint.config)
+            cmd = ([self.python, "-m", CONVERT_WORKER, str(tools.converter), json.dumps(supplied), *args] if supplied
+                   else [self.python, str(tools.converter), *args])
             res = run_logged(cmd, log_dir=dest.parent, name="convert", timeout_s=ctx.settings.convert_timeout_s,
                              env=tools.converter_env(), keep=failure_log_dir(ctx.settings.logs_root))
             if not res.ok:
@@ -333,6 +337,8 @@ class GGUFConverter:
             "split": {"max_size": self.options.split_max_size, "parts": len(parts)}
             if self.options.split_max_size else None,
             "tokenizer_parity": parity}
+        if supplied := converter_config(ctx.checkpoint.config):
+            params["converter_config"] = supplied  # what llama.cpp's converter was given beyond config.json
         return BuiltVariant(variant=spec.name, files={p.name: p for p in parts}, tool=self.tool_identity(),
                             parameters=params, events=events, info=info)
 
@@ -402,6 +408,27 @@ class GGUFConverter:
                 raise ConversionError(f"llama.cpp quantization to {spec.type} {res.describe()}",
                                       stderr_tail=res.stderr_tail,
                                       hint=f"see the log {res.log}")
+
+
+def converter_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Hyperparameters the pinned ``convert_hf_to_gguf.py`` indexes under their transformers 4 names and does not
+    find in what transformers 5 loads from ``config`` (config.json), each as transformers reads it; empty when
+    the script finds what it needs. :data:`CONVERT_WORKER` gives them to the script.
+
+    * GPT-NeoX (``conversion/gptneox.py``): ``rotary_pct``. GPTNeoXConfig moves it into
+      ``rope_parameters.partial_rotary_factor`` as it loads, whichever way config.json spells it (Pythia's
+      ``rotary_pct``, transformers 5's ``rope_parameters``), default 0.25 as GPTNeoXConfig's.
+    * GPT-2 (``conversion/gpt2.py``): ``n_ctx``, which transformers 5's ``save_pretrained`` no longer writes;
+      its value is ``n_positions``, as GPT2Config reads it.
+
+    Without them the script stops on ``KeyError: 'rotary_pct'`` / ``'n_ctx'`` on models it supports."""
+    model_type = config.get("model_type")
+    if model_type == "gpt_neox":
+        rope = config.get("rope_parameters") or {}
+        return {"rotary_pct": config.get("rotary_pct", rope.get("partial_rotary_factor", 0.25))}
+    if model_type == "gpt2" and "n_ctx" not in config and "n_positions" in config:
+        return {"n_ctx": config["n_positions"]}
+    return {}
 
 
 def _conversion_error(stderr: str, how: str, log: Path | None, ckpt: Checkpoint) -> Exception:

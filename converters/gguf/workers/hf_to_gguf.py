@@ -1,0 +1,44 @@
+"""Run the pinned llama.cpp ``convert_hf_to_gguf.py`` with hyperparameters it reads under transformers 4 names.
+
+Usage: ``python -m converters.gguf.workers.hf_to_gguf CONVERTER SUPPLIED_JSON ARG...``: CONVERTER is the script's
+path, SUPPLIED_JSON a JSON object of hyperparameters, ARG... the script's own arguments.
+
+The script reads a checkpoint's hyperparameters as ``AutoConfig.from_pretrained(folder).to_dict()``, with the
+transformers of the environment it runs in (the core's, transformers 5), and some of its model classes index keys
+that transformers 5's config classes no longer keep under those names: GPT-NeoX's ``rotary_pct`` (moved into
+``rope_parameters`` as the config loads, so every GPT-NeoX checkpoint, Pythia's included, stops on
+``KeyError: 'rotary_pct'``), GPT-2's ``n_ctx`` (not written by transformers 5's ``save_pretrained``). This worker
+wraps ``ModelBase.load_hparams`` so that each key of SUPPLIED_JSON the loaded hyperparameters lack is added (what
+the loaded ones hold always wins), then runs the script as ``__main__``, in this process: its output, log and exit
+status are the script's. converters/gguf/converter.py's ``converter_config`` decides what to supply and runs the
+script directly when it is nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from typing import Any
+
+
+def main(argv: list[str]) -> None:
+    converter, supplied_json, *args = argv
+    supplied: dict[str, Any] = json.loads(supplied_json)
+    from conversion.base import ModelBase  # type: ignore[import-not-found]  # the script's package (PYTHONPATH)
+
+    load = ModelBase.load_hparams
+
+    def load_hparams(*args: Any, **kwargs: Any) -> Any:
+        hparams = load(*args, **kwargs)
+        if isinstance(hparams, dict):
+            hparams = {**{k: v for k, v in supplied.items() if k not in hparams}, **hparams}
+        return hparams
+
+    ModelBase.load_hparams = staticmethod(load_hparams)
+    sys.argv = [converter, *args]
+    runpy.run_path(converter, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
