@@ -412,22 +412,29 @@ class GGUFConverter:
 
 def converter_config(config: dict[str, Any]) -> dict[str, Any]:
     """Hyperparameters the pinned ``convert_hf_to_gguf.py`` indexes under their transformers 4 names and does not
-    find in what transformers 5 loads from ``config`` (config.json), each as transformers reads it; empty when
-    the script finds what it needs. :data:`CONVERT_WORKER` gives them to the script.
+    find in what transformers 5 loads from ``config`` (config.json), or finds with a value transformers' model code
+    does not use, each as transformers reads it; empty when the script finds what it needs.
+    :data:`CONVERT_WORKER` gives them to the script (they replace what it loads).
 
     * GPT-NeoX (``conversion/gptneox.py``): ``rotary_pct``. GPTNeoXConfig moves it into
       ``rope_parameters.partial_rotary_factor`` as it loads, whichever way config.json spells it (Pythia's
       ``rotary_pct``, transformers 5's ``rope_parameters``), default 0.25 as GPTNeoXConfig's.
     * GPT-2 (``conversion/gpt2.py``): ``n_ctx``, which transformers 5's ``save_pretrained`` no longer writes;
       its value is ``n_positions``, as GPT2Config reads it.
+    * Falcon (``conversion/falcon.py``): ``num_kv_heads`` 1 for a multi-query model of the old decoder
+      (``multi_query`` and not ``new_decoder_architecture``, as Falcon-7B): FalconConfig fills ``num_kv_heads``
+      with the head count, and FalconAttention uses one key/value head there.
 
-    Without them the script stops on ``KeyError: 'rotary_pct'`` / ``'n_ctx'`` on models it supports."""
+    Without them the script stops on ``KeyError: 'rotary_pct'`` / ``'n_ctx'``, or on a reshape of Falcon's fused
+    query/key/value weight, for models it supports."""
     model_type = config.get("model_type")
     if model_type == "gpt_neox":
         rope = config.get("rope_parameters") or {}
         return {"rotary_pct": config.get("rotary_pct", rope.get("partial_rotary_factor", 0.25))}
     if model_type == "gpt2" and "n_ctx" not in config and "n_positions" in config:
         return {"n_ctx": config["n_positions"]}
+    if model_type == "falcon" and config.get("multi_query", True) and not config.get("new_decoder_architecture"):
+        return {"num_kv_heads": 1}  # FalconConfig's defaults: multi_query true, new_decoder_architecture false
     return {}
 
 

@@ -135,13 +135,16 @@ def _pythia_spelling(ckpt: Path) -> Path:
     ("gpt_neox", "transformers 5", "gptneox.rope.dimension_count", 16),
     ("gpt_neox", "pythia", "gptneox.rope.dimension_count", 16),
     ("gpt2", "transformers 5", "gpt2.context_length", 1024),
+    ("falcon", "transformers 5", "falcon.attention.head_count_kv", 1),
 ])
-def test_hyperparameters_transformers_5_no_longer_names_reach_llama_cpps_converter(
+def test_hyperparameters_as_transformers_reads_them_reach_llama_cpps_converter(
         arch: str, spelling: str, key: str, value: int, tmp_path: Path, real_model: Path, settings: Settings,
         prefect_harness: None) -> None:
     """llama.cpp's converter reads GPT-NeoX's ``rotary_pct`` and GPT-2's ``n_ctx`` from what transformers 5's
     AutoConfig loads, which holds neither (GPTNeoXConfig moves rotary_pct into rope_parameters whichever way
     config.json spells it; save_pretrained no longer writes n_ctx): it stopped on KeyError for every such source.
+    For a multi-query Falcon (the config's defaults, as Falcon-7B) it read num_kv_heads, which FalconConfig fills
+    with the head count while the model uses one key/value head, and failed reshaping the fused QKV weight.
     The SmolLM2 tokenizer is one llama.cpp's converter knows (the demo's is not a GPT-2 BPE). A wrong rotary
     fraction is not subtle: converted with rotary_pct 1.0 the same GPT-NeoX measured KLD 5.7 and top-1 12 %,
     against 0.012 and 93 % right."""
@@ -150,6 +153,8 @@ def test_hyperparameters_transformers_5_no_longer_names_reach_llama_cpps_convert
         _pythia_spelling(ckpt)
     stored = json.loads((ckpt / "config.json").read_text())
     assert "rotary_pct" in stored if spelling == "pythia" else not {"rotary_pct", "n_ctx"} & stored.keys()
+    if arch == "falcon":  # saved as the head count, and what the converter would read
+        assert stored["multi_query"] and stored["num_kv_heads"] == stored["num_attention_heads"] == 4
     report = _convert(ckpt, f"tiny-{arch}", "Q8_0", settings)
     assert report.ok, report
     reg = open_registry(settings.registry)
@@ -157,7 +162,8 @@ def test_hyperparameters_transformers_5_no_longer_names_reach_llama_cpps_convert
     field = GGUFReader(str(reg.blobs.path_of(view.files[0].sha256))).get_field(key)
     assert field is not None and field.contents() == value  # head 64 x 0.25; GPT-2's n_positions
     assert view.lineage["parameters"]["converter_config"] == {"gpt_neox": {"rotary_pct": 0.25},
-                                                             "gpt2": {"n_ctx": 1024}}[arch]
+                                                             "gpt2": {"n_ctx": 1024},
+                                                             "falcon": {"num_kv_heads": 1}}[arch]
     _assert_evaluated_close(view)
 
 
@@ -166,3 +172,5 @@ def test_the_converter_is_given_nothing_where_its_script_finds_what_it_reads() -
     assert converter_config({"model_type": "gpt2", "n_ctx": 2048, "n_positions": 1024}) == {}  # as written
     assert converter_config({"model_type": "gpt_neox", "rotary_pct": 0.5}) == {"rotary_pct": 0.5}
     assert converter_config({"model_type": "gpt_neox"}) == {"rotary_pct": 0.25}  # GPTNeoXConfig's default
+    assert converter_config({"model_type": "falcon", "new_decoder_architecture": True, "num_kv_heads": 8}) == {}
+    assert converter_config({"model_type": "falcon", "multi_query": False}) == {}  # as falcon-rw-1b

@@ -5,13 +5,14 @@ path, SUPPLIED_JSON a JSON object of hyperparameters, ARG... the script's own ar
 
 The script reads a checkpoint's hyperparameters as ``AutoConfig.from_pretrained(folder).to_dict()``, with the
 transformers of the environment it runs in (the core's, transformers 5), and some of its model classes index keys
-that transformers 5's config classes no longer keep under those names: GPT-NeoX's ``rotary_pct`` (moved into
-``rope_parameters`` as the config loads, so every GPT-NeoX checkpoint, Pythia's included, stops on
-``KeyError: 'rotary_pct'``), GPT-2's ``n_ctx`` (not written by transformers 5's ``save_pretrained``). This worker
-wraps ``ModelBase.load_hparams`` so that each key of SUPPLIED_JSON the loaded hyperparameters lack is added (what
-the loaded ones hold always wins), then runs the script as ``__main__``, in this process: its output, log and exit
-status are the script's. converters/gguf/converter.py's ``converter_config`` decides what to supply and runs the
-script directly when it is nothing.
+that transformers 5's config classes no longer keep under those names, or read a key that transformers' model
+code overrides: GPT-NeoX's ``rotary_pct`` (moved into ``rope_parameters`` as the config loads, so every GPT-NeoX
+checkpoint, Pythia's included, stops on ``KeyError: 'rotary_pct'``), GPT-2's ``n_ctx`` (not written by
+transformers 5's ``save_pretrained``), multi-query Falcon's ``num_kv_heads`` (the config holds the head count;
+the model uses one). This worker wraps ``ModelBase.load_hparams`` so that the keys of SUPPLIED_JSON replace or add
+to the loaded hyperparameters, then runs the script as ``__main__``, in this process: its output, log and exit
+status are the script's. converters/gguf/converter.py's ``converter_config`` decides what to supply (each value as
+transformers reads the config) and runs the script directly when it is nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main(argv: list[str]) -> None:
     def load_hparams(*args: Any, **kwargs: Any) -> Any:
         hparams = load(*args, **kwargs)
         if isinstance(hparams, dict):
-            hparams = {**{k: v for k, v in supplied.items() if k not in hparams}, **hparams}
+            hparams = {**hparams, **supplied}
         return hparams
 
     ModelBase.load_hparams = staticmethod(load_hparams)
