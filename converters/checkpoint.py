@@ -223,7 +223,9 @@ def _check_shapes(ckpt: Checkpoint) -> None:
     saves. So the expected tensors are taken in both layouts, the model's and the saved one
     (``revert_weight_conversion``, what ``save_pretrained`` writes), and a checkpoint is complete when it holds
     every tensor of either; weights tied to another (the output head of a tied-embedding model) need not be
-    stored."""
+    stored. A checkpoint saved from the base model (names without its ``base_model_prefix``, as the Hub's GPT-2
+    and DistilGPT-2 are: ``h.0.attn.c_attn.weight``, not ``transformer.h.0...``), which transformers loads into
+    the causal LM, is compared with each layout so named (:func:`_base_model_layouts`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
@@ -243,6 +245,7 @@ def _check_shapes(ckpt: Checkpoint) -> None:
         saved = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, dict(state)).items()}
         if saved != layouts[0]:
             layouts.insert(0, saved)  # the saved layout first: what checkpoints on disk hold
+    layouts += _base_model_layouts(layouts, str(getattr(model, "base_model_prefix", "") or ""), ckpt.tensors)
     shapes = {k: v for layout in reversed(layouts) for k, v in layout.items()}
     for name, t in ckpt.tensors.items():
         want = shapes.get(name)
@@ -255,6 +258,16 @@ def _check_shapes(ckpt: Checkpoint) -> None:
         raise InvalidCheckpointError(
             f"{len(missing)} tensors that config.json implies are missing, e.g. {missing[0]}",
             hint="the checkpoint is incomplete; download every shard")
+
+
+def _base_model_layouts(layouts: list[dict[str, tuple[int, ...]]], prefix: str,
+                        stored: dict[str, Any]) -> list[dict[str, tuple[int, ...]]]:
+    """``layouts`` as a checkpoint of the base model names them: ``prefix.`` dropped from the base model's
+    tensors, the rest (an untied output head) as they are; none when the model has no prefix or the checkpoint
+    names a tensor with it (it is then the causal LM's own layout)."""
+    if not prefix or any(name.startswith(f"{prefix}.") for name in stored):
+        return []
+    return [{k.removeprefix(f"{prefix}."): v for k, v in layout.items()} for layout in layouts]
 
 
 def scan_nonfinite(ckpt: Checkpoint, chunk_elements: int = 1 << 25) -> None:

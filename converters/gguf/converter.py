@@ -57,7 +57,7 @@ from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, GGUFType, QuantFormat
 from pipeline.texts import file_text, text_sha256
 
 WORKER = "converters.gguf.workers.quantize"
-CONVERT_WORKER = "converters.gguf.workers.hf_to_gguf"  # the converter with hyperparameters supplied
+CONVERT_WORKER = "converters.gguf.workers.hf_to_gguf"  # the converter, told converter_overrides
 IMATRIX_KIND = "imatrix"
 PARITY_DIR = "gguf-parity"  # under the work dir: recorded tokenizer agreements, by parity key
 
@@ -290,8 +290,8 @@ class GGUFConverter:
             tools = self.llama_cpp()
             args = [str(ctx.checkpoint.path), "--outfile", str(tmp), "--outtype", base_type.lower(),
                     "--model-name", ctx.file_stem]
-            supplied = converter_config(ctx.checkpoint.config)
-            cmd = ([self.python, "-m", CONVERT_WORKER, str(tools.converter), json.dumps(supplied), *args] if supplied
+            given = converter_overrides(ctx.checkpoint)
+            cmd = ([self.python, "-m", CONVERT_WORKER, str(tools.converter), json.dumps(given), *args] if given
                    else [self.python, str(tools.converter), *args])
             res = run_logged(cmd, log_dir=dest.parent, name="convert", timeout_s=ctx.settings.convert_timeout_s,
                              env=tools.converter_env(), keep=failure_log_dir(ctx.settings.logs_root))
@@ -337,8 +337,8 @@ class GGUFConverter:
             "split": {"max_size": self.options.split_max_size, "parts": len(parts)}
             if self.options.split_max_size else None,
             "tokenizer_parity": parity}
-        if supplied := converter_config(ctx.checkpoint.config):
-            params["converter_config"] = supplied  # what llama.cpp's converter was given beyond config.json
+        if given := converter_overrides(ctx.checkpoint):
+            params["converter_overrides"] = given  # what llama.cpp's converter was told beyond the checkpoint
         return BuiltVariant(variant=spec.name, files={p.name: p for p in parts}, tool=self.tool_identity(),
                             parameters=params, events=events, info=info)
 
@@ -436,6 +436,25 @@ def converter_config(config: dict[str, Any]) -> dict[str, Any]:
     if model_type == "falcon" and config.get("multi_query", True) and not config.get("new_decoder_architecture"):
         return {"num_kv_heads": 1}  # FalconConfig's defaults: multi_query true, new_decoder_architecture false
     return {}
+
+
+#: Tensors of a GPT-2 checkpoint that are no weights: GPT2Attention's causal-mask buffers, which transformers 4
+#: saved (the Hub's GPT-2 and DistilGPT-2 hold them: ``h.N.attn.bias``, ``h.N.attn.masked_bias``) and transformers
+#: ignores as it loads; the pinned converter stops on them (``Can not map tensor 'h.0.attn.bias'``).
+GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+
+def converter_overrides(ckpt: Checkpoint) -> dict[str, Any]:
+    """What the pinned ``convert_hf_to_gguf.py`` must be told to read ``ckpt`` as transformers does: ``hparams``
+    (:func:`converter_config`) and ``skip_suffixes``, names of tensors transformers does not load
+    (:data:`GPT2_BUFFERS`); empty when it reads the checkpoint right as it is. :data:`CONVERT_WORKER` applies
+    them."""
+    out: dict[str, Any] = {}
+    if hparams := converter_config(ckpt.config):
+        out["hparams"] = hparams
+    if ckpt.config.get("model_type") == "gpt2" and any(n.endswith(GPT2_BUFFERS) for n in ckpt.tensors):
+        out["skip_suffixes"] = list(GPT2_BUFFERS)
+    return out
 
 
 def _conversion_error(stderr: str, how: str, log: Path | None, ckpt: Checkpoint) -> Exception:

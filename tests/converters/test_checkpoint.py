@@ -86,6 +86,24 @@ def test_a_moe_checkpoint_without_one_expert_is_incomplete(tmp_path: Path, demo_
         load_checkpoint(ckpt)
 
 
+def test_names_saved_from_the_base_model_are_complete_and_a_missing_one_is_still_found(tmp_path: Path,
+                                                                                      demo_model: Path) -> None:
+    """Tensor names without the base model's prefix (``layers.0...``, not ``model.layers.0...``), as the Hub's
+    GPT-2 and DistilGPT-2 are stored and as transformers loads into the causal LM: the check took them for 16
+    missing tensors. The output head, outside the base model, keeps its name."""
+    import safetensors.torch
+
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    weights = {k.removeprefix("model."): v for k, v in safetensors.torch.load_file(ckpt / "model.safetensors").items()}
+    assert "lm_head.weight" in weights and "layers.0.self_attn.q_proj.weight" in weights
+    safetensors.torch.save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    assert "embed_tokens.weight" in load_checkpoint(ckpt).tensors
+    del weights["layers.1.mlp.up_proj.weight"]
+    safetensors.torch.save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InvalidCheckpointError, match=r"^1 tensors .* missing, e\.g\. layers\.1\.mlp\.up_proj"):
+        load_checkpoint(ckpt)
+
+
 def test_a_config_without_architectures_is_refused_naming_the_class_to_add(tmp_path: Path, demo_model: Path) -> None:
     """llama.cpp's converter stops on it ("Failed to detect model architecture"); the check says what to add."""
     ckpt = copy_checkpoint(demo_model, tmp_path / "m")

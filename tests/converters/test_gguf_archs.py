@@ -131,28 +131,54 @@ def _pythia_spelling(ckpt: Path) -> Path:
     return ckpt
 
 
-@pytest.mark.parametrize(("arch", "spelling", "key", "value"), [
-    ("gpt_neox", "transformers 5", "gptneox.rope.dimension_count", 16),
-    ("gpt_neox", "pythia", "gptneox.rope.dimension_count", 16),
-    ("gpt2", "transformers 5", "gpt2.context_length", 1024),
-    ("falcon", "transformers 5", "falcon.attention.head_count_kv", 1),
+def _hub_gpt2_layout(ckpt: Path) -> Path:
+    """Rewrite a tied GPT-2 as the Hub's GPT-2 and DistilGPT-2 are stored (saved from the base model by
+    transformers 4): tensor names without ``transformer.``, each layer's causal-mask buffers ``attn.bias`` and
+    ``attn.masked_bias``, and ``n_ctx`` in config.json."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    (weights,) = ckpt.glob("*.safetensors")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    state = {k.removeprefix("transformer."): v.contiguous() for k, v in load_file(weights).items()
+             if k != "lm_head.weight"}
+    n = cfg["n_positions"]
+    for i in range(cfg["n_layer"]):
+        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
+        state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(state, weights, metadata={"format": "pt"})
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "n_ctx": n}, indent=2))
+    return ckpt
+
+
+@pytest.mark.parametrize(("arch", "spelling", "key", "value", "overrides"), [
+    ("gpt_neox", "transformers 5", "gptneox.rope.dimension_count", 16, {"hparams": {"rotary_pct": 0.25}}),
+    ("gpt_neox", "pythia", "gptneox.rope.dimension_count", 16, {"hparams": {"rotary_pct": 0.25}}),
+    ("gpt2", "transformers 5", "gpt2.context_length", 1024, {"hparams": {"n_ctx": 1024}}),
+    ("gpt2", "hub", "gpt2.context_length", 1024, {"skip_suffixes": [".attn.bias", ".attn.masked_bias"]}),
+    ("falcon", "transformers 5", "falcon.attention.head_count_kv", 1, {"hparams": {"num_kv_heads": 1}}),
 ])
-def test_hyperparameters_as_transformers_reads_them_reach_llama_cpps_converter(
-        arch: str, spelling: str, key: str, value: int, tmp_path: Path, real_model: Path, settings: Settings,
-        prefect_harness: None) -> None:
+def test_checkpoints_as_transformers_reads_them_reach_llama_cpps_converter(
+        arch: str, spelling: str, key: str, value: int, overrides: dict[str, object], tmp_path: Path,
+        real_model: Path, settings: Settings, prefect_harness: None) -> None:
     """llama.cpp's converter reads GPT-NeoX's ``rotary_pct`` and GPT-2's ``n_ctx`` from what transformers 5's
     AutoConfig loads, which holds neither (GPTNeoXConfig moves rotary_pct into rope_parameters whichever way
     config.json spells it; save_pretrained no longer writes n_ctx): it stopped on KeyError for every such source.
     For a multi-query Falcon (the config's defaults, as Falcon-7B) it read num_kv_heads, which FalconConfig fills
-    with the head count while the model uses one key/value head, and failed reshaping the fused QKV weight.
-    The SmolLM2 tokenizer is one llama.cpp's converter knows (the demo's is not a GPT-2 BPE). A wrong rotary
-    fraction is not subtle: converted with rotary_pct 1.0 the same GPT-NeoX measured KLD 5.7 and top-1 12 %,
-    against 0.012 and 93 % right."""
-    ckpt = arch_checkpoint(tmp_path / f"tiny-{arch}", real_model, arch, layers=1, **PEAKED)
+    with the head count while the model uses one key/value head, and failed reshaping the fused QKV weight. A
+    GPT-2 stored as the Hub's is (base-model names, causal-mask buffers) was refused by the source check as
+    "16 tensors missing", and the converter cannot map its buffers. The SmolLM2 tokenizer is one llama.cpp's
+    converter knows (the demo's is not a GPT-2 BPE). A wrong rotary fraction is not subtle: converted with
+    rotary_pct 1.0 the same GPT-NeoX measured KLD 5.7 and top-1 12 %, against 0.012 and 93 % right."""
+    ckpt = arch_checkpoint(tmp_path / f"tiny-{arch}", real_model, arch, layers=1, tie=spelling == "hub", **PEAKED)
     if spelling == "pythia":
         _pythia_spelling(ckpt)
+    if spelling == "hub":
+        _hub_gpt2_layout(ckpt)
+        assert "h.0.attn.bias" in load_checkpoint(ckpt).tensors  # complete as stored
     stored = json.loads((ckpt / "config.json").read_text())
-    assert "rotary_pct" in stored if spelling == "pythia" else not {"rotary_pct", "n_ctx"} & stored.keys()
+    if spelling == "transformers 5":  # as it writes them: neither key the converter reads
+        assert not {"rotary_pct", "n_ctx"} & stored.keys()
     if arch == "falcon":  # saved as the head count, and what the converter would read
         assert stored["multi_query"] and stored["num_kv_heads"] == stored["num_attention_heads"] == 4
     report = _convert(ckpt, f"tiny-{arch}", "Q8_0", settings)
@@ -160,10 +186,8 @@ def test_hyperparameters_as_transformers_reads_them_reach_llama_cpps_converter(
     reg = open_registry(settings.registry)
     view = reg.get_version(f"tiny-{arch}/Q8_0")
     field = GGUFReader(str(reg.blobs.path_of(view.files[0].sha256))).get_field(key)
-    assert field is not None and field.contents() == value  # head 64 x 0.25; GPT-2's n_positions
-    assert view.lineage["parameters"]["converter_config"] == {"gpt_neox": {"rotary_pct": 0.25},
-                                                             "gpt2": {"n_ctx": 1024},
-                                                             "falcon": {"num_kv_heads": 1}}[arch]
+    assert field is not None and field.contents() == value  # head 64 x 0.25; GPT-2's n_positions; one KV head
+    assert view.lineage["parameters"]["converter_overrides"] == overrides
     _assert_evaluated_close(view)
 
 
