@@ -21,7 +21,10 @@ first line of output what it decided:
 uses this server. :meth:`Embedded.ready` waits for its health endpoint before a flow runs. One server serves
 every run of the process (a recipe runs several); it is stopped when the process exits, and dies with the
 process when that is killed (``PR_SET_PDEATHSIG``), where Prefect's own temporary server outlives a killed
-client. Where Prefect is already imported in this process (a test, a library user) its settings are fixed, so
+client. It runs in a session of its own, so that Ctrl-C, which signals the terminal's whole foreground process
+group, interrupts the command and not its server: the command then records the crash on the server and stops it
+(exit 130 within a second). In the group, the server died first and the interrupted command retried for 99 s to
+reach it, then ended on an internal ConnectError. Where Prefect is already imported in this process (a test, a library user) its settings are fixed, so
 :func:`start` starts nothing and a flow starts Prefect's own server, as before.
 """
 
@@ -146,7 +149,7 @@ def start(log_dir: Path) -> Embedded | None:
     env = child_env({"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"})
     with log.open("ab") as err:
         proc = subprocess.Popen([sys.executable, "-m", "flows.embedded"], env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=err,
+                                stdout=subprocess.PIPE, stderr=err, start_new_session=True,
                                 preexec_fn=die_with_parent)
     _SERVER = Embedded(proc=proc, log=log)
     atexit.register(stop)

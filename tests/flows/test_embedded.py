@@ -195,3 +195,47 @@ def test_flow_runs_on_the_embedded_server_send_no_heartbeats(tmp_path: Path, dec
         with embedded.without_heartbeats(server):
             assert get_current_settings().flows.heartbeat_frequency == beats
         assert get_current_settings().flows.heartbeat_frequency == 180
+
+
+def test_ctrl_c_stops_the_command_at_once_and_its_server_after_it(demo_model: Path, cache_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """Ctrl-C in a terminal signals the whole foreground process group. The server used to be in it: it died
+    first, and the command, interrupted, spent 99 s retrying to tell it the flow had crashed, then ended on an
+    internal error (httpx ConnectError, exit 4). In a session of its own it outlives the interrupt by the time the
+    command takes to record the crash and stop it: exit 130 within seconds, nothing left running, the registry
+    readable and whole. (SIGKILL of the command still takes it down: PR_SET_PDEATHSIG, tested above.)"""
+    home, work, registry = tmp_path / "prefect", tmp_path / "work", tmp_path / "registry"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(PREFECT_HOME=str(home), QUANTYARD_WORK_DIR=str(work), QUANTYARD_CACHE_DIR=str(cache_dir))
+    args = ["convert", str(demo_model), "--gguf", "Q8_0", "--no-speed", "--registry", str(registry)]
+    # a session of its own, as a terminal's foreground job: its process group is what Ctrl-C signals
+    log = tmp_path / "output.txt"
+    with log.open("w") as output:  # a file, not a pipe: nothing blocks on a full pipe
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env, stdout=output,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not set(procs_with_env("QUANTYARD_WORK_DIR", str(work))) & set(pids_with(b"evaluators.")):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no evaluation started within 300 s"
+            time.sleep(0.1)
+        interrupted = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        took = time.monotonic() - interrupted
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = log.read_text()
+    assert proc.returncode == 130, err[-3000:]
+    assert took < 20, f"the command took {took:.0f} s to stop after Ctrl-C"
+    assert "ConnectError" not in err and "internal error" not in err, err[-3000:]
+    assert "interrupt" in err  # Prefect says so: 'Execution was aborted by an interrupt signal'
+    deadline = time.monotonic() + 10
+    while procs_with_env("PREFECT_HOME", str(home)) or procs_with_env("QUANTYARD_WORK_DIR", str(work)):
+        assert time.monotonic() < deadline, "a server or runner outlived the interrupted command"
+        time.sleep(0.1)
+    verify = [sys.executable, "-m", "pipeline.cli", "registry", "verify", "--registry", str(registry)]
+    check = subprocess.run(verify, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
