@@ -24,8 +24,9 @@ process when that is killed (``PR_SET_PDEATHSIG``), where Prefect's own temporar
 client. It runs in a session of its own, so that Ctrl-C, which signals the terminal's whole foreground process
 group, interrupts the command and not its server: the command then records the crash on the server and stops it
 (exit 130 within a second). In the group, the server died first and the interrupted command retried for 99 s to
-reach it, then ended on an internal ConnectError. Where Prefect is already imported in this process (a test, a library user) its settings are fixed, so
-:func:`start` starts nothing and a flow starts Prefect's own server, as before.
+reach it, then ended on an internal ConnectError. Where Prefect is already imported in this process (a test, a
+library user) its settings are fixed, so :func:`start` starts nothing and a flow starts Prefect's own server, as
+before.
 """
 
 from __future__ import annotations
