@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: a script's own folder, not when loaded by path
@@ -36,7 +34,6 @@ import scaling
 
 from converters.checkpoint import HASH_WORKERS, content_hash
 from pipeline.config import Settings
-from pipeline.cpu import cpu_flags
 from pipeline.fs import atomic_path
 
 #: Files of the source folder that are not weights and go into both copies unchanged.
@@ -70,13 +67,6 @@ def sharded_copy(src: Path, shards: int, cache: Path) -> Path:
                 shutil.copy2(src / name, staging / name)
     del state, torch
     return final
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def drop_pages(root: Path) -> None:
@@ -115,10 +105,9 @@ def main() -> None:
     nbytes = sum(p.stat().st_size for p in one.glob("*.safetensors"))
     default_workers = max(1, min(os.cpu_count() or 1, HASH_WORKERS))
     n_shards = len(list(sharded.glob("*.safetensors")))
-    argv = " ".join(sys.argv[1:]) or "(defaults)"
-    lines = [f"# bench/hash_shards.py, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {argv}",
-             f"# machine: {cpu_model()}, {os.cpu_count()} CPUs, ISA flags: {cpu_flags()}, sha_ni: "
-             f"{'yes' if 'sha_ni' in Path('/proc/cpuinfo').read_text() else 'no'} (hashlib's sha256 uses it)",
+    lines = [scaling.header(sys.argv, os.getloadavg(), default_workers),
+             f"# sha_ni: {'yes' if 'sha_ni' in Path('/proc/cpuinfo').read_text().split() else 'no'} (hashlib's "
+             "sha256 uses it)",
              f"# checkpoint: {one} ({params / 1e9:.3f} B parameters, {nbytes / 1e9:.2f} GB of safetensors); "
              f"sharded copy: {n_shards} files",
              f"# median of {args.repeats}; default workers here = min(CPUs, HASH_WORKERS={HASH_WORKERS}) = "
