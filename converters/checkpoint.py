@@ -223,8 +223,8 @@ def _check_shapes(ckpt: Checkpoint) -> None:
     saves. So the expected tensors are taken in both layouts, the model's and the saved one
     (``revert_weight_conversion``, what ``save_pretrained`` writes), and a checkpoint is complete when it holds
     every tensor of either; weights tied to another (the output head of a tied-embedding model) need not be
-    stored. A checkpoint saved from the base model (names without its ``base_model_prefix``, as the Hub's GPT-2
-    and DistilGPT-2 are: ``h.0.attn.c_attn.weight``, not ``transformer.h.0...``), which transformers loads into
+    stored. A checkpoint saved from the base model (names without its ``base_model_prefix``, as one saved from
+    GPT2Model or BloomModel is: ``h.0.attn.c_attn.weight``, not ``transformer.h.0...``), which transformers loads into
     the causal LM, is compared with each layout so named (:func:`_base_model_layouts`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -438,9 +438,10 @@ def converter_config(config: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-#: Tensors of a GPT-2 checkpoint that are no weights: GPT2Attention's causal-mask buffers, which transformers 4
-#: saved (the Hub's GPT-2 and DistilGPT-2 hold them: ``h.N.attn.bias``, ``h.N.attn.masked_bias``) and transformers
-#: ignores as it loads; the pinned converter stops on them (``Can not map tensor 'h.0.attn.bias'``).
+#: Tensors of a GPT-2 checkpoint that are no weights: GPT2Attention's causal-mask buffers ``h.N.attn.bias`` and
+#: ``h.N.attn.masked_bias``, which older transformers saved (the Hub's GPT-2 holds them, inferred from its file's
+#: size, not read here) and transformers ignores as it loads; the pinned converter stops on them
+#: (``Can not map tensor 'h.0.attn.bias'``).
 GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 

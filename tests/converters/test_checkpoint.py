@@ -88,9 +88,9 @@ def test_a_moe_checkpoint_without_one_expert_is_incomplete(tmp_path: Path, demo_
 
 def test_names_saved_from_the_base_model_are_complete_and_a_missing_one_is_still_found(tmp_path: Path,
                                                                                       demo_model: Path) -> None:
-    """Tensor names without the base model's prefix (``layers.0...``, not ``model.layers.0...``), as the Hub's
-    GPT-2 and DistilGPT-2 are stored and as transformers loads into the causal LM: the check took them for 16
-    missing tensors. The output head, outside the base model, keeps its name."""
+    """Tensor names without the base model's prefix (``layers.0...``, not ``model.layers.0...``), as a checkpoint
+    saved from GPT2Model is stored and as transformers loads into the causal LM: the check took a GPT-2 so
+    stored for 16 missing tensors. The output head, outside the base model, keeps its name."""
     import safetensors.torch
 
     ckpt = copy_checkpoint(demo_model, tmp_path / "m")

@@ -132,9 +132,9 @@ def _pythia_spelling(ckpt: Path) -> Path:
 
 
 def _hub_gpt2_layout(ckpt: Path) -> Path:
-    """Rewrite a tied GPT-2 as the Hub's GPT-2 and DistilGPT-2 are stored (saved from the base model by
-    transformers 4): tensor names without ``transformer.``, each layer's causal-mask buffers ``attn.bias`` and
-    ``attn.masked_bias``, and ``n_ctx`` in config.json."""
+    """Rewrite a tied GPT-2 as the Hub's GPT-2 is stored (saved from the base model by an older transformers;
+    inferred from its file's size, see README): tensor names without ``transformer.``, each layer's causal-mask
+    buffers ``attn.bias`` and ``attn.masked_bias``, and ``n_ctx`` in config.json."""
     import torch
     from safetensors.torch import load_file, save_file
 

@@ -1,4 +1,4 @@
-"""Run the pinned llama.cpp ``convert_hf_to_gguf.py`` with hyperparameters it reads under transformers 4 names.
+"""Run the pinned llama.cpp ``convert_hf_to_gguf.py``, told what it must know to read a checkpoint as transformers does.
 
 Usage: ``python -m converters.gguf.workers.hf_to_gguf CONVERTER OVERRIDES_JSON ARG...``: CONVERTER is the script's
 path, OVERRIDES_JSON ``{"hparams": {...}, "skip_suffixes": [...]}`` (either may be absent), ARG... the script's own
