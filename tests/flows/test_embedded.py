@@ -208,11 +208,15 @@ def test_ctrl_c_stops_the_command_at_once_and_its_server_after_it(demo_model: Pa
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(home), QUANTYARD_WORK_DIR=str(work), QUANTYARD_CACHE_DIR=str(cache_dir))
     args = ["convert", str(demo_model), "--gguf", "Q8_0", "--no-speed", "--registry", str(registry)]
-    # a session of its own, as a terminal's foreground job: its process group is what Ctrl-C signals
+    # a session of its own, as a terminal's foreground job: its process group is what Ctrl-C signals. SIGINT at
+    # its default, as in a terminal: a test run in the background (nohup ... &) inherits it ignored, and Python
+    # then keeps it ignored (the command ran to the end in such a CI run)
+    default_sigint = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "os.execv(sys.argv[1], sys.argv[1:])")
     log = tmp_path / "output.txt"
     with log.open("w") as output:  # a file, not a pipe: nothing blocks on a full pipe
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env, stdout=output,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-c", default_sigint, sys.executable, "-m", "pipeline.cli", *args],
+                                env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not set(procs_with_env("QUANTYARD_WORK_DIR", str(work))) & set(pids_with(b"evaluators.")):
