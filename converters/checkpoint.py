@@ -52,6 +52,9 @@ class Checkpoint:
     config: dict[str, Any]
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     weight_files: list[Path] = field(default_factory=list)
+    #: stored tensors the model does not load (found by the shape check): buffers older transformers saved
+    #: (GPT-2's ``attn.bias`` masks, Llama's ``rotary_emb.inv_freq``) and a stored copy of a tied weight
+    unused: set[str] = field(default_factory=set)
 
     @property
     def model_type(self) -> str:
@@ -80,13 +83,9 @@ class Checkpoint:
 
     @property
     def n_params(self) -> int:
-        total = 0
-        for t in self.tensors.values():
-            n = 1
-            for d in t.shape:
-                n *= d
-            total += n
-        return total
+        """Parameters as transformers counts them (``num_parameters()``): every stored tensor the model loads,
+        a tied weight once; buffers saved beside the weights are not parameters (:attr:`unused`)."""
+        return sum(self.n_elements_of(name) for name in self.tensors if name not in self.unused)
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -253,6 +252,7 @@ def _check_shapes(ckpt: Checkpoint) -> None:
             raise InvalidCheckpointError(
                 f"tensor {name} in {t.file} has shape {list(t.shape)} but config.json implies {list(want)}",
                 hint="the weights do not belong to this config; check hidden_size / vocab_size / layers")
+    ckpt.unused = {name for name in ckpt.tensors if name not in shapes}
     missing = min(([k for k in layout if k not in ckpt.tensors] for layout in layouts), key=len)
     if missing and ckpt.tensors:
         raise InvalidCheckpointError(

@@ -104,6 +104,27 @@ def test_names_saved_from_the_base_model_are_complete_and_a_missing_one_is_still
         load_checkpoint(ckpt)
 
 
+def test_parameters_are_counted_as_transformers_counts_them(tmp_path: Path, demo_model: Path) -> None:
+    """Buffers saved beside the weights (Llama checkpoints of transformers < 4.31 hold each layer's
+    ``rotary_emb.inv_freq``, the Hub's GPT-2 its causal masks) and a stored copy of a tied weight are not
+    parameters: bpw is bits over this count, and a GPT-2 so stored was counted 10 % larger."""
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    want = AutoModelForCausalLM.from_pretrained(ckpt).num_parameters()
+    assert load_checkpoint(ckpt).n_params == want
+    weights = safetensors.torch.load_file(ckpt / "model.safetensors")
+    for i in range(json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]):
+        weights[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(4096)
+    safetensors.torch.save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_checkpoint(ckpt)
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" in loaded.unused
+    assert loaded.n_params == want == AutoModelForCausalLM.from_pretrained(ckpt).num_parameters()
+    assert load_checkpoint(ckpt, check_shapes=False).n_params > want  # what the count was without the check
+
+
 def test_a_config_without_architectures_is_refused_naming_the_class_to_add(tmp_path: Path, demo_model: Path) -> None:
     """llama.cpp's converter stops on it ("Failed to detect model architecture"); the check says what to add."""
     ckpt = copy_checkpoint(demo_model, tmp_path / "m")

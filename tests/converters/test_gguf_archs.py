@@ -174,8 +174,12 @@ def test_checkpoints_as_transformers_reads_them_reach_llama_cpps_converter(
     if spelling == "pythia":
         _pythia_spelling(ckpt)
     if spelling == "hub":
+        from transformers import AutoModelForCausalLM
+
         _hub_gpt2_layout(ckpt)
-        assert "h.0.attn.bias" in load_checkpoint(ckpt).tensors  # complete as stored
+        loaded = load_checkpoint(ckpt)
+        assert "h.0.attn.bias" in loaded.tensors  # complete as stored
+        assert loaded.n_params == AutoModelForCausalLM.from_pretrained(ckpt).num_parameters()  # masks not counted
     stored = json.loads((ckpt / "config.json").read_text())
     if spelling == "transformers 5":  # as it writes them: neither key the converter reads
         assert not {"rotary_pct", "n_ctx"} & stored.keys()
