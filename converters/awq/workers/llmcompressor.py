@@ -83,6 +83,42 @@ def patch_check() -> dict[str, Any]:
             "detail": detail, "accelerator": bool(torch.accelerator.is_available())}
 
 
+def record_mappings(modifier_cls: Any, architecture: str) -> dict[str, Any]:
+    """Wrap ``modifier_cls._set_resolved_mappings`` (where AWQModifier matches its layer mappings to the model's
+    modules) so that what it resolved is recorded, and so that a mapping that does not fit the model fails with a
+    message that says so. Returns the dict it fills: ``mappings`` (llm-compressor's own for the architecture, or
+    its default written for Llama's layer names), ``smoothed`` (smoothing layers matched) and ``balanced``
+    (linear layers scaled against them). Raises RuntimeError if the target has moved."""
+    from llmcompressor.modifiers.transform.awq.mappings import AWQ_MAPPING_REGISTRY
+
+    original = getattr(modifier_cls, "_set_resolved_mappings", None)
+    if not callable(original):
+        raise RuntimeError("AWQModifier._set_resolved_mappings no longer exists: the mapping record no longer "
+                           "applies; re-check it for this llm-compressor version")
+    own = architecture in AWQ_MAPPING_REGISTRY
+    record: dict[str, Any] = {"mappings": f"llm-compressor's for {architecture}" if own else
+                              "llm-compressor's default (written for Llama's layer names)"}
+
+    def resolve(self: Any, model: Any) -> None:
+        try:
+            original(self, model)
+        except ValueError as exc:
+            raise RuntimeError(
+                f"AWQ cannot calibrate {architecture}: {record['mappings']} name layers this model does not have; "
+                f"convert it to GGUF instead (llm-compressor: {' '.join(str(exc).split())})") from exc
+        resolved = list(self._resolved_mappings)
+        record["smoothed"] = len(resolved)
+        record["balanced"] = sum(len(m.balance_layers) for m in resolved)
+        if not resolved:
+            raise RuntimeError(
+                f"AWQ cannot calibrate {architecture}: {record['mappings']} match none of its layers, so nothing "
+                "would be smoothed and plain round-to-nearest weights would be registered as AWQ; convert it to "
+                "GGUF instead")
+
+    modifier_cls._set_resolved_mappings = resolve
+    return record
+
+
 def _scheme(req: dict[str, Any]) -> dict[str, Any]:
     """QuantizationModifier arguments: the W4A16_ASYM preset for the default settings, else an
     explicit weight-only config group with the requested bits, group size and symmetry."""
@@ -114,6 +150,7 @@ def quantize(req: dict[str, Any]) -> dict[str, Any]:
     saved = _declared_dtype(req["model"])
     tokenizer = AutoTokenizer.from_pretrained(req["model"], trust_remote_code=False)
     scheme = _scheme(req)
+    mappings = record_mappings(AWQModifier, type(model).__name__)
     recipe = [AWQModifier(duo_scaling="both"), QuantizationModifier(**scheme)]
     t0 = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=int(ids.shape[1]),
@@ -126,7 +163,8 @@ def quantize(req: dict[str, Any]) -> dict[str, Any]:
     out = Path(req["output"])
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
-    return {"quantize_s": quant_s, "patch": patch, "scheme": scheme, "n_samples": int(ids.shape[0]),
+    return {"quantize_s": quant_s, "patch": patch, "scheme": scheme, "awq_mappings": mappings,
+            "n_samples": int(ids.shape[0]),
             "seq_len": int(ids.shape[1]), "torch": torch.__version__, "compute_dtype": compute or saved,
             "saved_dtype": saved, "cpu_flags": req.get("cpu_flags")}
 
