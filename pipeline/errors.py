@@ -21,6 +21,8 @@ EXIT_INTERNAL = 4
 
 #: The last line of a Python traceback: ``ValueError: …``, ``torch.OutOfMemoryError: …``, ``KeyError: 'n_ctx'``.
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
+#: What a tool puts before its lines: vLLM's ``[rank0]: `` on every line a worker process writes.
+_LINE_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
 def cause_line(stderr_tail: str, limit: int = 300) -> str | None:
@@ -28,7 +30,7 @@ def cause_line(stderr_tail: str, limit: int = 300) -> str | None:
     exception (the last line of its traceback); None where there is none (the tool said something else,
     and the log named in the error's hint holds it)."""
     for line in reversed(stderr_tail.splitlines()):
-        line = line.strip()
+        line = _LINE_PREFIX.sub("", line.strip())
         if _EXCEPTION_LINE.match(line):
             return line if len(line) <= limit else line[:limit - 1] + "…"
     return None

