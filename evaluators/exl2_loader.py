@@ -30,14 +30,18 @@ def read_tensors(folder: Path) -> dict[str, Any]:
     return tensors
 
 
-def dequantized_state(folder: Path, dtype: Any) -> dict[str, Any]:
-    """A transformers state dict: each EXL2 layer ``x`` becomes ``x.weight`` (and ``x.bias``)."""
+def dequantized_state(folder: Path, dtype: Any, widths: dict[str, int] | None = None) -> dict[str, Any]:
+    """A transformers state dict: each EXL2 layer ``x`` becomes ``x.weight`` (and ``x.bias``).
+
+    EXL2 stores a layer's output columns padded to a multiple of 32 and not its width; a biased layer's bias
+    gives it, an unbiased one's comes from ``widths`` (``x.weight`` → output features, the model's own), else
+    the padded width is kept. An output head over a vocabulary of 4100 is 4128 columns wide on disk."""
     tensors = read_tensors(folder)
     state: dict[str, Any] = {}
     quantized = layer_prefixes(list(tensors))
     for prefix in quantized:
         layer = split_layer(tensors, prefix)
-        state[f"{prefix}.weight"] = dequantize(layer).to(dtype)
+        state[f"{prefix}.weight"] = dequantize(layer, (widths or {}).get(f"{prefix}.weight")).to(dtype)
         if "bias" in layer:
             state[f"{prefix}.bias"] = layer["bias"].to(dtype)
     owned = {f"{p}.{s}" for p in quantized for s in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm",
@@ -78,7 +82,8 @@ def load_exl2_as_hf(path: Path, dtype: Any = None, device: str = "cpu") -> Any:
         from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined, no-redef]
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = dequantized_state(path, dtype)
+    widths = {name: int(p.shape[0]) for name, p in model.state_dict().items() if p.dim() == 2}
+    state = dequantized_state(path, dtype, widths)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:

@@ -83,3 +83,29 @@ def test_results_are_labelled_exl2_reference_with_the_fallback_reason(exl2_demo:
     assert "quantyard exl2 codec" in (result.engine_version or "")
     assert "stands in for exllamav2" in result.metrics["fallback"]
     assert not any(r.kind == "speed" for r in reg.get_version("demo/EXL2-4.0bpw-ref").results)
+
+
+def test_an_output_head_over_a_vocabulary_not_a_multiple_of_32_is_evaluated(tmp_path: Path, demo_model: Path,
+                                                                           settings: Settings,
+                                                                           prefect_harness: None) -> None:
+    """EXL2 pads a layer's output columns to a multiple of 32 and records no width: the reference loader took
+    a Phi-3's lm_head over 4100 tokens as 4128 wide and the evaluation failed on the size mismatch. Phi-3 also
+    fuses q/k/v and gate/up into one linear each."""
+    from flows.quantize import convert_flow
+    from pipeline.plan import Plan, SourceInput, variants_from_flags
+    from tests.factories import arch_checkpoint
+
+    ckpt = arch_checkpoint(tmp_path / "tiny-phi3", demo_model, "phi3", layers=1)
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    assert vocab % 32
+    plan = Plan(source=SourceInput(source=str(ckpt)), model_name="tiny-phi3", variants=variants_from_flags(exl2="4.0"),
+                eval=EvalSpec(window=128, stride=128, max_windows=2, speed=SpeedSpec(enabled=False)))
+    (variant,) = convert_flow(plan, settings).variants
+    assert variant.status == "registered" and variant.eval_status == "ok", (variant.error, variant.eval_error)
+    assert variant.engine == "exl2-reference" and variant.quality["top1_agreement"] > 0.5, variant.quality
+    folder = tmp_path / "exl2"
+    open_registry(settings.registry).link_files(f"tiny-phi3/{variant.variant}", folder)
+    tensors = load_file(str((folder / "output.safetensors").resolve()))
+    assert tensors["lm_head.q_weight"].shape[1] == vocab + (-vocab % 32)  # padded on disk
+    head = load_exl2_as_hf(folder, dtype=torch.float32).lm_head.weight.data
+    assert torch.equal(head, dequantize(split_layer(tensors, "lm_head"), vocab).float())
