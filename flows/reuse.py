@@ -88,8 +88,10 @@ def convert(plan: Plan, settings: Settings) -> ConvertReport:
             steps.preresolve(steps.resolve_backends(plan, settings), settings)
         if server is not None:
             server.decision()  # before Prefect is imported: PREFECT_API_URL must name the server by then
+        from flows.console import quiet_typed_failures
         from flows.quantize import convert_flow  # Prefect is imported, and its server started, only for work
 
+        quiet_typed_failures()  # a typed failure's traceback stays out of the terminal (flows/console.py)
         if server is not None:
             server.ready()  # the flow must not call a server that is still starting
         with embedded.without_heartbeats(server):
