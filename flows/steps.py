@@ -97,13 +97,18 @@ def forget_preresolved() -> None:
 
 def resolve(plan: Plan, settings: Settings) -> Resolved:
     """Resolve and validate the source, then let every requested format check it (fail fast), and only then
-    read every weight for NaN/Inf (the one part that reads the whole checkpoint).
+    read every weight for NaN/Inf (the one part that reads the whole checkpoint). A format whose tools are
+    missing (``require_tools``: llama.cpp's converter) says so first, before the source is hashed or fetched.
 
     Its parts emit progress events (:data:`RESOLVE_PARTS`): ``resolve:hash`` (a local folder's content hash;
     ``resolve:fetch`` for a hub revision), ``resolve:check`` (config, tensor shapes, tokenizer, the formats'
     checks) and ``resolve:scan``."""
     where = plan.source.source
     fetch = looks_like_hub_id(where)
+    for fmt in plan.by_format():  # a missing tool is said before the source is hashed or downloaded
+        converter = make_converter(fmt, plan, settings)
+        if hasattr(converter, "require_tools"):
+            converter.require_tools()
     with stage(RESOLVE_PARTS["fetch" if fetch else "hash"], where):
         src = resolve_source(where, revision=plan.source.revision, cache_dir=settings.cache_dir,
                              allow_pickle=plan.source.allow_pickle, hub=hub_options(settings))

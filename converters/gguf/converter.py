@@ -164,6 +164,10 @@ class GGUFConverter:
                 "llama_cpp_commit": tc["llama_cpp_commit"], "gguf_py": tc["gguf_py"],
                 "sdist_sha256": tc["sdist_sha256"]}
 
+    def require_tools(self) -> None:
+        """Raise ToolchainMissingError when llama.cpp's converter is not set up (before any work on the source)."""
+        self.llama_cpp().meta()
+
     def check(self, checkpoint: Checkpoint, specs: list[Any]) -> None:
         meta = self.llama_cpp().meta()
         supported = list(meta["supported_architectures"])

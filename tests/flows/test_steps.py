@@ -120,3 +120,16 @@ def test_a_format_refusing_the_request_stops_resolve_before_the_scan(tmp_path: P
                     (RESOLVE_PARTS["check"], "start"), (RESOLVE_PARTS["check"], "failed")]
     with pytest.raises(InvalidCheckpointError, match="NaN/Inf"):  # the value the check stopped before reading
         load_checkpoint(source, check_shapes=False)
+
+
+def test_a_missing_llama_cpp_is_said_before_the_source_is_hashed(tmp_path: Path, demo_model: Path,
+                                                                 cache_dir: Path) -> None:
+    """Without llama.cpp's converter a GGUF request failed in the format checks, after the source was hashed
+    (a 70 B source: minutes of reading for an error about the machine)."""
+    from pipeline.errors import ToolchainMissingError
+
+    settings = Settings(cache_dir=cache_dir, work_dir=tmp_path / "work",  # type: ignore[call-arg]
+                        llama_cpp_tools=tmp_path / "nowhere")
+    seen, err = _resolve_events(demo_model, settings, GGUFSpec(type="Q8_0"))
+    assert isinstance(err, ToolchainMissingError) and "nowhere" in str(err), err
+    assert seen == []
