@@ -54,16 +54,20 @@ def stage_here(request: StageRequest, here: InProcess) -> StageRecord:
     return run_stage(request, None, BODIES[request.stage], here)
 
 
-def _run(reg: Registry, graph: Graph, name: str, outcomes: dict[str, StageOutcome], here: InProcess) -> StageOutcome:
+def _run(reg: Registry, graph: Graph, name: str, outcomes: dict[str, StageOutcome], here: InProcess,
+         prepare_failures: list[QuantyardError] | None = None) -> StageOutcome:
     settled, request = decide(reg, graph, name, outcomes)
     if settled is not None:
         return settled
-    return _execute(request, here)
+    return _execute(request, here, prepare_failures)
 
 
-def _execute(request: StageRequest, here: InProcess) -> StageOutcome:
+def _execute(request: StageRequest, here: InProcess,
+             prepare_failures: list[QuantyardError] | None = None) -> StageOutcome:
     """Run one decided stage here: its outcome (``failed`` with the error for a stage whose failure does not
-    stop the run)."""
+    stop the run). A format's failed preparation stops the run only where ``prepare_failures`` is None (the
+    plan has one format); else it is kept there, and that format's stages are skipped, as the distributed
+    executor does (:func:`_convert` raises it when every format's preparation failed)."""
     t0 = time.perf_counter()
     try:
         with stage(request.stage, request.variant or request.fmt or ""):
@@ -71,8 +75,10 @@ def _execute(request: StageRequest, here: InProcess) -> StageOutcome:
     except DiskFullError:
         raise  # no later stage can succeed either: stop with the clear error
     except QuantyardError as exc:
-        if request.stage in SOURCE_STAGES:
-            raise  # the source or a format's preparation of it failed: nothing of this run can be built
+        if request.stage in SOURCE_STAGES and (request.stage != "prepare" or prepare_failures is None):
+            raise  # the source or the plan's one format's preparation failed: nothing of this run can be built
+        if request.stage == "prepare" and prepare_failures is not None:
+            prepare_failures.append(exc)
         return request.outcome("failed", error=exc.summary(), error_type=type(exc).__name__,
                                dispatch_s=time.perf_counter() - t0, start_s=t0 - here.started)
     return request.outcome("ran", record=record, dispatch_s=time.perf_counter() - t0, start_s=t0 - here.started)
@@ -161,6 +167,9 @@ def _convert(plan: Plan, settings: Settings) -> ConvertReport:
     outcomes: dict[str, StageOutcome] = {}
     schedule: EvalSchedule | None = None
     names = list(graph.nodes)
+    prepares = [n for n in names if graph.nodes[n].request.stage == "prepare"]
+    # with several formats, one whose preparation fails (llama.cpp refusing the tokenizer) does not stop the others
+    prepare_failures: list[QuantyardError] | None = [] if len(prepares) > 1 else None
     i = 0
     while i < len(names):
         j = i
@@ -170,8 +179,10 @@ def _convert(plan: Plan, settings: Settings) -> ConvertReport:
             schedule = _run_together(reg, graph, names[i:j], outcomes, here) or schedule
             i = j
         else:
-            outcomes[names[i]] = _run(reg, graph, names[i], outcomes, here)
+            outcomes[names[i]] = _run(reg, graph, names[i], outcomes, here, prepare_failures)
             i += 1
+    if prepare_failures and all(outcomes[n].status == "failed" for n in prepares):
+        raise prepare_failures[0]  # nothing of this run could be built: the first format's error, as for one
     out = report(plan, source, graph, outcomes, reg)
     out.eval_schedule = schedule.as_dict() if schedule is not None else None
     out.wall_s = time.perf_counter() - t0

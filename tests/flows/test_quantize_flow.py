@@ -141,6 +141,29 @@ def test_killed_runner_fails_only_its_variant(demo_model: Path, settings: Settin
     assert rerun.count("evaluate") == 1 and rerun.count("quantize") == 0
 
 
+def test_a_format_whose_preparation_fails_fails_only_its_variants(tmp_path: Path, demo_model: Path,
+                                                                  settings: Settings, prefect_harness: None) -> None:
+    """llama.cpp's converter refuses an unknown BPE pre-tokenizer while preparing the GGUF base: the run
+    stopped there, and the EXL2 variant asked beside it was never built. Now the GGUF variant fails with that
+    error and the EXL2 one is built, registered and evaluated, as the distributed executor already did; with
+    one format the run still stops on the error (exit 2: tests/pipeline/test_cli.py)."""
+    from pipeline.errors import TokenizerUnsupportedError
+    from tests.factories import bytelevel_bpe_checkpoint
+
+    source = bytelevel_bpe_checkpoint(tmp_path / "bpe", demo_model)
+    plan = Plan(source=SourceInput(source=str(source)), model_name="bpe",
+                variants=variants_from_flags(gguf="Q8_0", exl2="4.0"),
+                eval=EvalSpec(window=128, stride=128, max_windows=2, speed=SpeedSpec(enabled=False)))
+    by = {v.variant: v for v in convert_flow(plan, settings).variants}
+    gguf, exl2 = by["Q8_0"], by["EXL2-4.0bpw-ref"]
+    assert gguf.status == "failed" and gguf.error_type == "TokenizerUnsupportedError", gguf
+    assert "pre-tokenizer" in (gguf.error or "")
+    assert exl2.status == "registered" and exl2.eval_status == "ok", exl2
+    assert {v.name for v in open_registry(settings.registry).list_variants("bpe")} == {"EXL2-4.0bpw-ref"}
+    with pytest.raises(TokenizerUnsupportedError, match="pre-tokenizer"):
+        convert_flow(plan.model_copy(update={"variants": variants_from_flags(gguf="Q8_0")}), settings)
+
+
 def test_dataset_spec_parsing() -> None:
     import pytest
 
