@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -125,6 +126,8 @@ def test_llmcompressor_awq_end_to_end(awq_registry_template: dict[str, object]) 
     # (llm-compressor's incompatible-shape rule: with 2 key/value heads of 4, v_proj's output is half o_proj's input)
     assert lineage["parameters"]["worker"]["awq_mappings"] == {
         "mappings": "llm-compressor's for LlamaForCausalLM", "smoothed": 3 * 4, "balanced": (3 + 2 + 1) * 4}
+    # matched on the meta device before the weights loaded: all 4 mappings in each of the 4 layers
+    assert lineage["parameters"]["worker"]["awq_mappings_precheck"] == {"checked": True, "matched": 4 * 4}
     env = lineage["tool"]["environment"]
     assert env["name"] == "awq" and "llmcompressor==0.14.0.1" in env["pip_freeze"]
     evaluated = {r.engine: r for r in view.results if r.kind == "quality"}
@@ -145,6 +148,10 @@ def test_a_model_awqs_layer_mappings_do_not_fit_fails_saying_so_and_registers_no
     assert "AWQ cannot calibrate GPTNeoXForCausalLM: llm-compressor's default (written for Llama's layer names) " \
            "name layers this model does not have; convert it to GGUF instead" in awq.error, awq.error
     assert [m.versions for m in open_registry(settings.registry).list_models()] == [0]
+    # found on the model built on the meta device, before a weight was read (at 70 B: minutes and its size in RAM)
+    log = Path(re.search(r"see the log (\S+\.err)", awq.error).group(1))  # type: ignore[union-attr]
+    trace = log.read_text()
+    assert "in precheck_mappings" in trace and "from_pretrained(req" not in trace, trace[-2000:]
 
 
 @pytest.mark.slow

@@ -83,37 +83,78 @@ def patch_check() -> dict[str, Any]:
             "detail": detail, "accelerator": bool(torch.accelerator.is_available())}
 
 
+def mappings_used(architecture: str) -> str:
+    """Which layer mappings llm-compressor takes for ``architecture``: its own, or its default."""
+    from llmcompressor.modifiers.transform.awq.mappings import AWQ_MAPPING_REGISTRY
+
+    return (f"llm-compressor's for {architecture}" if architecture in AWQ_MAPPING_REGISTRY else
+            "llm-compressor's default (written for Llama's layer names)")
+
+
+def _unfit(architecture: str, mappings: str, exc: ValueError) -> RuntimeError:
+    return RuntimeError(f"AWQ cannot calibrate {architecture}: {mappings} name layers this model does not have; "
+                        f"convert it to GGUF instead (llm-compressor: {' '.join(str(exc).split())})")
+
+
+def _unmatched(architecture: str, mappings: str) -> RuntimeError:
+    return RuntimeError(f"AWQ cannot calibrate {architecture}: {mappings} match none of its layers, so nothing "
+                        "would be smoothed and plain round-to-nearest weights would be registered as AWQ; convert "
+                        "it to GGUF instead")
+
+
+def precheck_mappings(model_dir: str) -> dict[str, Any]:
+    """Match llm-compressor's layer mappings against the model built on the meta device, before any weight is
+    read: a model they do not fit fails in seconds instead of after loading (minutes and its size in RAM at
+    70 B). The match is llm-compressor's own (``get_layer_mappings_from_model``, ``match_modules_set``) on the
+    module names transformers builds, which its offset-norm replacement keeps; a mixture of experts is not
+    checked here (llm-compressor rewrites its experts into linears before matching), only by
+    :func:`record_mappings` during calibration. Returns what it found; raises RuntimeError as that does."""
+    import torch
+    from compressed_tensors.utils import match_modules_set
+    from llmcompressor.modifiers.transform.awq import get_layer_mappings_from_model
+    from llmcompressor.modifiers.utils.pytorch_helpers import is_moe_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    architecture = type(model).__name__
+    if is_moe_model(model):
+        return {"checked": False, "why": "mixture of experts: matched during calibration"}
+    mappings = mappings_used(architecture)
+    matched = 0
+    for mapping in get_layer_mappings_from_model(model):
+        try:
+            matched += sum(1 for _ in match_modules_set(model, (mapping.smooth_layer, *mapping.balance_layers)))
+        except ValueError as exc:
+            raise _unfit(architecture, mappings, exc) from exc
+    if not matched:
+        raise _unmatched(architecture, mappings)
+    return {"checked": True, "matched": matched}
+
+
 def record_mappings(modifier_cls: Any, architecture: str) -> dict[str, Any]:
     """Wrap ``modifier_cls._set_resolved_mappings`` (where AWQModifier matches its layer mappings to the model's
     modules) so that what it resolved is recorded, and so that a mapping that does not fit the model fails with a
     message that says so. Returns the dict it fills: ``mappings`` (llm-compressor's own for the architecture, or
     its default written for Llama's layer names), ``smoothed`` (smoothing layers matched) and ``balanced``
     (linear layers scaled against them). Raises RuntimeError if the target has moved."""
-    from llmcompressor.modifiers.transform.awq.mappings import AWQ_MAPPING_REGISTRY
-
     original = getattr(modifier_cls, "_set_resolved_mappings", None)
     if not callable(original):
         raise RuntimeError("AWQModifier._set_resolved_mappings no longer exists: the mapping record no longer "
                            "applies; re-check it for this llm-compressor version")
-    own = architecture in AWQ_MAPPING_REGISTRY
-    record: dict[str, Any] = {"mappings": f"llm-compressor's for {architecture}" if own else
-                              "llm-compressor's default (written for Llama's layer names)"}
+    record: dict[str, Any] = {"mappings": mappings_used(architecture)}
 
     def resolve(self: Any, model: Any) -> None:
         try:
             original(self, model)
         except ValueError as exc:
-            raise RuntimeError(
-                f"AWQ cannot calibrate {architecture}: {record['mappings']} name layers this model does not have; "
-                f"convert it to GGUF instead (llm-compressor: {' '.join(str(exc).split())})") from exc
+            raise _unfit(architecture, record["mappings"], exc) from exc
         resolved = list(self._resolved_mappings)
         record["smoothed"] = len(resolved)
         record["balanced"] = sum(len(m.balance_layers) for m in resolved)
         if not resolved:
-            raise RuntimeError(
-                f"AWQ cannot calibrate {architecture}: {record['mappings']} match none of its layers, so nothing "
-                "would be smoothed and plain round-to-nearest weights would be registered as AWQ; convert it to "
-                "GGUF instead")
+            raise _unmatched(architecture, record["mappings"])
 
     modifier_cls._set_resolved_mappings = resolve
     return record
@@ -146,6 +187,7 @@ def quantize(req: dict[str, Any]) -> dict[str, Any]:
     ids = np.load(req["calibration"]).astype(np.int64)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist()})
     compute = req.get("compute_dtype")  # None: the checkpoint's own dtype
+    precheck = precheck_mappings(req["model"])  # before the weights load
     model = AutoModelForCausalLM.from_pretrained(req["model"], dtype=compute or "auto", trust_remote_code=False)
     saved = _declared_dtype(req["model"])
     tokenizer = AutoTokenizer.from_pretrained(req["model"], trust_remote_code=False)
@@ -164,6 +206,7 @@ def quantize(req: dict[str, Any]) -> dict[str, Any]:
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
     return {"quantize_s": quant_s, "patch": patch, "scheme": scheme, "awq_mappings": mappings,
+            "awq_mappings_precheck": precheck,
             "n_samples": int(ids.shape[0]),
             "seq_len": int(ids.shape[1]), "torch": torch.__version__, "compute_dtype": compute or saved,
             "saved_dtype": saved, "cpu_flags": req.get("cpu_flags")}
