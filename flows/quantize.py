@@ -32,7 +32,7 @@ from flows import steps
 from flows.graph import Graph, StageOutcome, StageRequest, build_graph, decide, publish, report
 from flows.ledger import StageRecord, pinned_input
 from flows.schedule import EvalSchedule, plan_evaluations
-from flows.stages import BODIES, SOURCE_STAGES, InProcess, run_stage
+from flows.stages import BODIES, InProcess, run_stage
 from pipeline import workdir
 from pipeline.config import Settings
 from pipeline.errors import DiskFullError, QuantyardError
@@ -75,9 +75,9 @@ def _execute(request: StageRequest, here: InProcess,
     except DiskFullError:
         raise  # no later stage can succeed either: stop with the clear error
     except QuantyardError as exc:
-        if request.stage in SOURCE_STAGES and (request.stage != "prepare" or prepare_failures is None):
+        if request.stage == "resolve" or (request.stage == "prepare" and prepare_failures is None):
             raise  # the source or the plan's one format's preparation failed: nothing of this run can be built
-        if request.stage == "prepare" and prepare_failures is not None:
+        if prepare_failures is not None and request.stage == "prepare":
             prepare_failures.append(exc)
         return request.outcome("failed", error=exc.summary(), error_type=type(exc).__name__,
                                dispatch_s=time.perf_counter() - t0, start_s=t0 - here.started)
