@@ -133,21 +133,35 @@ def _custom_tokenizer(dest: Path, demo: Path, special: list[str], tokenizer_clas
 
 def gguf_swap_tokens(src: Path, dest: Path, a: int, b: int) -> None:
     """Copy a GGUF with the vocabulary entries (text, score, type) of token ids ``a`` and ``b`` swapped:
-    the crafted 'silently wrong vocabulary' the tokenizer parity check must catch. Uses gguf-py's reader
-    and writer (PyPI gguf)."""
+    the crafted 'silently wrong vocabulary' the tokenizer parity check must catch."""
+    swapped = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+
+    def swap(name: str, value: Any) -> Any:
+        if name in swapped:
+            value = list(value)
+            value[a], value[b] = value[b], value[a]
+        return value
+
+    gguf_rewrite(src, dest, swap)
+
+
+def gguf_set_fields(src: Path, dest: Path, **fields: Any) -> None:
+    """Copy a GGUF with the values of existing metadata keys replaced (``**{"llama.block_count": 3}``)."""
+    gguf_rewrite(src, dest, lambda name, value: fields.get(name, value))
+
+
+def gguf_rewrite(src: Path, dest: Path, edit: Any) -> None:
+    """Copy a GGUF, every metadata value passed through ``edit(name, value)``, the tensors as they are. Uses
+    gguf-py's reader and writer (PyPI gguf)."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
     arch = reader.get_field("general.architecture").contents()
     writer = gguf.GGUFWriter(str(dest), arch=arch)
-    swapped = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue  # written by GGUFWriter itself
-        value = field.contents()
-        if name in swapped:
-            value = list(value)
-            value[a], value[b] = value[b], value[a]
+        value = edit(name, field.contents())
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
     for t in reader.tensors:

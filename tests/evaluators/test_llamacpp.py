@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from converters.gguf.header import read_header
 from evaluators.base import RunnerCommand, load_arrays, run_runner
 from evaluators.llamacpp.evaluator import LlamaCppEvaluator
 from evaluators.metrics import compare
@@ -22,6 +23,7 @@ from pipeline.plan import EvalSpec, SpeedSpec
 from pipeline.specs import Engine
 from registry import open_registry
 from tests.conftest import pids_with
+from tests.factories import gguf_set_fields
 
 
 def _quality(registry: Path, variant: str) -> dict:
@@ -127,6 +129,25 @@ def test_sigkill_of_runner_gives_engine_error(tmp_path: Path, demo_registry_temp
         stop.set()
         thread.join()
     assert info.value.returncode == -signal.SIGKILL and "SIGKILL" in str(info.value)
+
+
+def test_a_file_llama_cpp_refuses_fails_with_llama_cpps_reason(tmp_path: Path, demo_registry_template: dict,
+                                                                cache_dir: Path) -> None:
+    """llama-cpp-python says only "Failed to load model from file"; the evaluation error carries what
+    llama.cpp's loader logged: here a GGUF whose K/V head count (metadata) does not fit its K weight."""
+    reference, windows = _reference_and_windows(demo_registry_template)
+    gguf = open_registry(str(demo_registry_template["registry"])).link_files("demo/Q8_0", tmp_path / "m")[0]
+    kv_heads = int(read_header(gguf).get("llama.attention.head_count_kv"))
+    crafted = tmp_path / "doubled-kv.gguf"
+    gguf_set_fields(gguf, crafted, **{"llama.attention.head_count_kv": 2 * kv_heads})
+    with pytest.raises(EngineError) as info:
+        LlamaCppEvaluator().evaluate(crafted, windows=windows, window_set_id="x", reference=reference,
+                                     spec=EvalSpec(speed=SpeedSpec(enabled=False)), out_dir=tmp_path / "ev",
+                                     settings=Settings(cache_dir=cache_dir, threads=2))
+    said = info.value.summary()
+    assert "llama.cpp cannot load doubled-kv.gguf: check_tensor_dims: tensor 'blk.0.attn_k.weight' has wrong shape" \
+        in said, said
+    assert "Failed to load model from file" not in said, said
 
 
 def _run(tmp_path: Path, cache_dir: Path, gguf: Path, windows: Path, tag: str) -> dict[str, np.ndarray]:
