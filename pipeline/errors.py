@@ -49,15 +49,22 @@ class QuantyardError(Exception):
         self.hint = hint
         super().__init__(message if hint is None else f"{message}\n  → {hint}")
 
-    def summary(self) -> str:
-        """One line for tables and stored results: type, message, the tool's own last words where it failed
-        with a Python exception (:func:`cause_line` of its stderr), and what to do (a log path, often)."""
+    @property
+    def cause(self) -> str | None:
+        """The failed tool's own last words where it failed with a Python exception (:func:`cause_line` of its
+        stderr), unless the message already says them; None otherwise."""
         cause = cause_line(getattr(self, "stderr_tail", "") or "")
-        shown = f" ({cause})" if cause and cause not in self.message else ""
+        return cause if cause and cause not in self.message else None
+
+    def summary(self) -> str:
+        """One line for tables and stored results: type, message, the tool's own last words (:attr:`cause`),
+        and what to do (a log path, often)."""
+        shown = f" ({self.cause})" if self.cause else ""
         return f"{type(self).__name__}: {self.message}{shown}" + (f" → {self.hint}" if self.hint else "")
 
     def to_dict(self) -> dict[str, str | None]:
-        return {"error": self.code, "type": type(self).__name__, "message": self.message, "hint": self.hint}
+        return {"error": self.code, "type": type(self).__name__, "message": self.message, "cause": self.cause,
+                "hint": self.hint}
 
 
 # --- input: sources and checkpoints -------------------------------------------------------------

@@ -63,6 +63,8 @@ def handle_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from rich.markup import escape
+
         from pipeline.render import err_console, print_json
 
         try:
@@ -74,9 +76,10 @@ def handle_errors(fn: F) -> F:
         except QuantyardError as exc:
             if kwargs.get("as_json"):
                 print_json(exc.to_dict())
-            err_console.print(f"[bold red]error[/] ({type(exc).__name__}): {exc.message}")
+            said = exc.message + (f" ({exc.cause})" if exc.cause else "")
+            err_console.print(f"[bold red]error[/] ({type(exc).__name__}): {escape(said)}")
             if exc.hint:
-                err_console.print(f"  [yellow]→[/] {exc.hint}")
+                err_console.print(f"  [yellow]→[/] {escape(exc.hint)}")
             tail = getattr(exc, "stderr_tail", "")
             if tail:
                 err_console.print("[dim]" + tail[-1500:] + "[/]")

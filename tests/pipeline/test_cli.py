@@ -4,6 +4,7 @@ unchanged registry. Plus docs-as-tests: every command is documented in the READM
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from tests.conftest import registry_snapshot
-from tests.factories import bytelevel_bpe_checkpoint, copy_checkpoint, edit_config, truncate
+from tests.factories import bytelevel_bpe_checkpoint, copy_checkpoint, edit_config, random_checkpoint, truncate
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -92,6 +93,24 @@ def test_registry_path_is_a_file(tmp_path: Path, demo_model: Path, prefect_harne
     result = CliRunner().invoke(app, ["convert", str(demo_model), "--gguf", "Q8_0", "--registry", str(bogus)])
     assert result.exit_code == 2 and "RegistryPathError" in result.output and "is a file" in result.output
     assert bogus.read_text() == "not a folder"
+
+
+def test_a_failed_tool_is_named_by_its_own_error(tmp_path: Path, demo_model: Path, demo_registry: Path,
+                                                prefect_harness: None) -> None:
+    """Where llama.cpp's converter stops on a Python exception, the error line and the JSON error carry that
+    exception, not only "exited with code 1" and a log path: here a Gemma-2 without the SentencePiece
+    tokenizer.model its converter reads (the tokenizer.json beside it is complete)."""
+    ckpt = random_checkpoint(tmp_path / "gemma2", demo_model, model_type="gemma2", head_dim=64, layers=1, tie=True)
+    (ckpt / "tokenizer.model").unlink()
+    before = registry_snapshot(demo_registry)
+    result = CliRunner().invoke(app, ["convert", str(ckpt), "--gguf", "Q8_0", "--name", "g2", "--registry",
+                                      str(demo_registry), "--no-speed", "--json"])
+    assert result.exit_code == 3, result.output
+    said = json.loads(result.stdout[result.stdout.index("{"):])
+    assert said["type"] == "ConversionError" and "exited with code 1" in said["message"], said
+    assert said["cause"] == f"FileNotFoundError: File not found: {ckpt / 'tokenizer.model'}", said
+    assert f"error (ConversionError): {said['message']} ({said['cause']})" in " ".join(result.stderr.split())
+    assert registry_snapshot(demo_registry) == before
 
 
 def test_json_error_output(tmp_path: Path) -> None:
