@@ -25,7 +25,7 @@ def edit_config(ckpt: Path, **changes: Any) -> None:
 def random_checkpoint(dest: Path, tokenizer_from: Path, *, model_type: str = "llama", hidden: int = 256,
                       intermediate: int = 512, layers: int = 2, dtype: str = "float32", tie: bool = False,
                       max_shard_size: str | None = None, seed: int = 0, vocab_size: int | None = None,
-                      **extra: Any) -> Path:
+                      kv_heads: int = 2, **extra: Any) -> Path:
     """A randomly initialised causal LM of ``model_type`` with the demo tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -34,7 +34,7 @@ def random_checkpoint(dest: Path, tokenizer_from: Path, *, model_type: str = "ll
     tok_cfg = json.loads((tokenizer_from / "config.json").read_text())
     config = AutoConfig.for_model(
         model_type, vocab_size=vocab_size or tok_cfg["vocab_size"], hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=1024,
         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **extra)
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     kwargs: dict[str, Any] = {"safe_serialization": True}
@@ -97,6 +97,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "gpt2": {"model_type": "gpt2"},
     # an architecture ExLlamaV2 does not know (it would load it as a Llama)
     "falcon": {"model_type": "falcon"},
+    # Phi-2's shapes: no grouped K/V heads and an FFN 4 × hidden wide, which llama.cpp's converter writes
+    # whatever intermediate_size says; its BPE tokenizer must be one llama.cpp knows (the real checkpoint's)
+    "phi": {"model_type": "phi", "partial_rotary_factor": 0.5, "kv_heads": 4, "intermediate": 1024},
 }
 
 

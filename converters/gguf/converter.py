@@ -58,6 +58,7 @@ from pipeline.texts import file_text, text_sha256
 
 WORKER = "converters.gguf.workers.quantize"
 CONVERT_WORKER = "converters.gguf.workers.hf_to_gguf"  # the converter, told converter_overrides
+LOADS_WORKER = "converters.gguf.workers.loads"  # does llama.cpp load what its converter wrote?
 IMATRIX_KIND = "imatrix"
 PARITY_DIR = "gguf-parity"  # under the work dir: recorded tokenizer agreements, by parity key
 
@@ -301,6 +302,33 @@ class GGUFConverter:
                              env=tools.converter_env(), keep=failure_log_dir(ctx.settings.logs_root))
             if not res.ok:
                 raise _conversion_error(res.stderr_tail, res.describe(), res.log, ctx.checkpoint)
+            self._check_loads(ctx, tmp, dest.parent, name=dest.name)
+
+    def _check_loads(self, ctx: BuildContext, gguf: Path, log_dir: Path, name: str) -> dict[str, Any]:
+        """llama.cpp must load what its converter wrote. The converter writes some hyperparameters from what an
+        architecture usually has (Phi-2's FFN width as 4 × hidden, no grouped K/V heads), so a checkpoint whose
+        config differs converts and is refused at load: a tensor whose shape does not fit. Checked on the base,
+        metadata only (converters/gguf/workers/loads.py: milliseconds at any size), before any type is made from
+        it, so nothing llama.cpp cannot run is built, registered or evaluated.
+
+        Raises:
+            ConversionError: llama.cpp refuses the file; the cause is its loader's own reason.
+        """
+        with tempfile.TemporaryDirectory(dir=log_dir) as tmp:
+            output = Path(tmp) / "loads.json"
+            request = {"model": str(gguf), "output": str(output), "name": name}
+            res = run_logged([self.python, "-m", LOADS_WORKER], log_dir=log_dir, name="loads",
+                             timeout_s=ctx.settings.convert_timeout_s, env=self.llama_cpp().env(),
+                             stdin_text=json.dumps(request), keep=failure_log_dir(ctx.settings.logs_root))
+            if not res.ok or not output.is_file():
+                ckpt = ctx.checkpoint
+                raise ConversionError(
+                    f"llama.cpp cannot load the GGUF its converter wrote from {ckpt.path} ({ckpt.architecture}; "
+                    f"the load check {res.describe()})", stderr_tail=res.stderr_tail,
+                    hint=f"llama.cpp's {ckpt.architecture} does not support something in this checkpoint's "
+                         f"config.json (the converter wrote hyperparameters the tensors do not fit); convert it "
+                         f"to another format, or see the log {res.log}")
+            return dict(json.loads(output.read_text(encoding="utf-8")))
 
     # -- variants --------------------------------------------------------------------------------
 

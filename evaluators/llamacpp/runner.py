@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,43 +40,9 @@ from evaluators.protocol import (
     write_result,
 )
 from evaluators.speed import Seq, engine_settings, prompts, speed_result
+from pipeline.llama_load import load_model
 
-GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5  # enum ggml_log_level (ggml.h; llama-cpp-python's _logger.py comment says 3)
 FLASH_ATTN = {"auto": -1, "on": 1, "off": 0}  # llama_flash_attn_type; llama.cpp's own tools default to auto
-
-
-class ModelLoadError(RuntimeError):
-    """llama.cpp refused to load the file; the message carries llama.cpp's own reason."""
-
-
-def _load_model(lib: Any, internals: Any, path: str, mparams: Any) -> Any:
-    """``LlamaModel`` of ``path``. llama-cpp-python answers a refused file with "Failed to load model from
-    file" only, and its loader's reason (a tensor's shape, an unknown architecture, a truncated file) goes to
-    llama.cpp's log, which it silences: the error-level lines of that log are kept while loading and become
-    the error's message (and are written to stderr, which the runner's log keeps)."""
-    said: list[str] = []
-    last = [0]
-
-    @lib.llama_log_callback
-    def keep(level: int, text: bytes, _user: Any) -> None:
-        if level == GGML_LOG_ERROR or (level == GGML_LOG_CONT and last[0] == GGML_LOG_ERROR):
-            said.append(text.decode("utf-8", errors="replace"))
-        if level != GGML_LOG_CONT:
-            last[0] = level
-
-    lib.llama_log_set(keep, ctypes.c_void_p(0))
-    try:
-        return internals.LlamaModel(path_model=path, params=mparams, verbose=False)
-    except ValueError as exc:
-        text = "".join(said)
-        sys.stderr.write(text)
-        reasons = [" ".join(m.group(1).split()) for m in re.finditer(r"error loading model:\s*(.+)", text)]
-        reason = reasons[-1] if reasons else (" ".join(text.split()) or "llama.cpp logged no reason")
-        raise ModelLoadError(f"llama.cpp cannot load {Path(path).name}: {reason}") from exc
-    finally:
-        from llama_cpp import _logger
-
-        lib.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 class _Engine:
@@ -100,7 +65,7 @@ class _Engine:
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = int(req.get("n_gpu_layers", 0))
-        self.model = _load_model(llama_cpp, _internals, req["model"], mparams)
+        self.model = load_model(llama_cpp, _internals, req["model"], mparams)  # LlamaLoadError: llama.cpp's reason
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch

@@ -21,7 +21,7 @@ from converters.gguf.converter import GGUFConverter, converter_config
 from converters.source import resolve_source
 from flows.quantize import convert_flow
 from pipeline.config import Settings
-from pipeline.errors import TokenizerMismatchError
+from pipeline.errors import ConversionError, TokenizerMismatchError
 from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
 from pipeline.specs import GGUFSpec
 from registry import open_registry
@@ -193,6 +193,35 @@ def test_checkpoints_as_transformers_reads_them_reach_llama_cpps_converter(
     assert field is not None and field.contents() == value  # head 64 x 0.25; GPT-2's n_positions; one KV head
     assert view.lineage["parameters"]["converter_overrides"] == overrides
     _assert_evaluated_close(view)
+
+
+def test_phi_2_converts_and_evaluates(tmp_path: Path, real_model: Path, settings: Settings,
+                                     prefect_harness: None) -> None:
+    ckpt = arch_checkpoint(tmp_path / "tiny-phi", real_model, "phi", layers=1, **PEAKED)
+    report = _convert(ckpt, "tiny-phi", "Q8_0", settings)
+    assert report.ok, report
+    _assert_evaluated_close(open_registry(settings.registry).get_version("tiny-phi/Q8_0"))
+
+
+def test_a_gguf_llama_cpp_cannot_load_fails_before_any_type_is_made(tmp_path: Path, real_model: Path,
+                                                                   settings: Settings) -> None:
+    """A Phi with grouped K/V heads (transformers' PhiConfig allows them; Phi-1/2 have none) converts, but
+    llama.cpp's phi2 has no such heads and refuses the file at load. Before, it was built, registered, and
+    each evaluation failed with llama-cpp-python's "Failed to load model from file". The base is now loaded
+    (metadata only) right after conversion, so the failure is llama.cpp's own reason and nothing is kept."""
+    ckpt = arch_checkpoint(tmp_path / "tiny-phi-gqa", real_model, "phi", layers=1, kv_heads=2, **PEAKED)
+    conv = GGUFConverter(settings)
+    ctx = BuildContext(checkpoint=load_checkpoint(ckpt), source=resolve_source(str(ckpt), cache_dir=settings.cache_dir),
+                       model_name="tiny-phi-gqa", settings=settings)
+    conv.check(ctx.checkpoint, [])
+    with pytest.raises(ConversionError) as info:
+        conv.prepare(ctx, [])
+    assert "llama.cpp cannot load the GGUF its converter wrote" in info.value.message
+    assert (info.value.cause or "").endswith(
+        "llama.cpp cannot load tiny-phi-gqa-F16.gguf: check_tensor_dims: tensor 'blk.0.attn_k.weight' has wrong "
+        "shape; expected 256, 256, got 256, 128, 1, 1"), info.value.cause
+    kept = [p.name for p in (settings.work_root / "gguf-base").rglob("*") if p.is_file()]
+    assert not [n for n in kept if ".gguf" in n or n == "ok"], kept  # the tools' logs only
 
 
 def test_the_converter_is_given_nothing_where_its_script_finds_what_it_reads() -> None:
