@@ -441,8 +441,9 @@ def _variant(spec: Any, graph: Graph, outcomes: dict[str, StageOutcome], report:
             continue
         if engine == default:
             _own_engine(out, evaluation, version, report)
-        elif evaluation.status == "failed":
-            out.eval_error = f"cross-check on {engine}: {evaluation.error}"
+        elif evaluation.status == "failed":  # said after the own engine's error or skip, never instead of it
+            said = f"cross-check on {engine}: {evaluation.error}"
+            out.eval_error = f"{out.eval_error}; {said}" if out.eval_error else said
         else:
             _cross_check(out, engine, version, report)
     return out

@@ -28,7 +28,7 @@ from pipeline.proc import child_env
 from pipeline.specs import AWQBackend, AWQSpec
 from registry import open_registry
 from tests.conftest import AWQ_TEST_OPTS, awq_eval_spec, registry_snapshot
-from tests.factories import arch_checkpoint
+from tests.factories import arch_checkpoint, random_checkpoint
 
 #: AutoAWQ's search is about twice as slow as llm-compressor's on CPU: a smaller calibration keeps the test short.
 AUTOAWQ_TEST_OPTS: dict[str, object] = {"calibration_samples": 4, "calibration_seq_len": 64}
@@ -152,6 +152,23 @@ def test_a_model_awqs_layer_mappings_do_not_fit_fails_saying_so_and_registers_no
     log = Path(re.search(r"see the log (\S+\.err)", awq.error).group(1))  # type: ignore[union-attr]
     trace = log.read_text()
     assert "in precheck_mappings" in trace and "from_pretrained(req" not in trace, trace[-2000:]
+
+
+def test_an_awq_model_neither_engine_runs_here_is_registered_with_both_reasons(
+        tmp_path: Path, demo_model: Path, settings: Settings, prefect_harness: None) -> None:
+    """A tiny Qwen2-MoE: llm-compressor quantizes its experts, vLLM-CPU has no 4-bit MoE kernel, and transformers
+    (the cross-check) cannot decompress its asymmetric experts. The variant's evaluation error said only the
+    cross-check's reason, the cross-check's line overwriting vLLM's; it now says vLLM's first, then the other."""
+    ckpt = random_checkpoint(tmp_path / "tiny-qwen2-moe", demo_model, model_type="qwen2_moe", layers=1,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                             shared_expert_intermediate_size=256)
+    plan = Plan(source=SourceInput(source=str(ckpt)), model_name="tiny-qwen2-moe",
+                variants=variants_from_flags(awq=True, awq_opts=AWQ_TEST_OPTS), eval=awq_eval_spec(speed=False))
+    (awq,) = convert_flow(plan, settings).variants
+    assert awq.status == "registered" and awq.eval_status == "failed", (awq.error, awq.eval_error)
+    said = awq.eval_error or ""
+    assert said.startswith("EngineError: vllm runner exited with code 1 (NotImplementedError: No WNA16 MoE "), said
+    assert "; cross-check on transformers: EngineError: transformers runner exited with code 1" in said, said
 
 
 @pytest.mark.slow
