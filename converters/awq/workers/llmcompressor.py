@@ -122,12 +122,22 @@ def precheck_mappings(model_dir: str) -> dict[str, Any]:
     if is_moe_model(model):
         return {"checked": False, "why": "mixture of experts: matched during calibration"}
     mappings = mappings_used(architecture)
+    names = {id(module): name for name, module in model.named_modules()}
     matched = 0
     for mapping in get_layer_mappings_from_model(model):
         try:
-            matched += sum(1 for _ in match_modules_set(model, (mapping.smooth_layer, *mapping.balance_layers)))
+            groups = list(match_modules_set(model, (mapping.smooth_layer, *mapping.balance_layers)))
         except ValueError as exc:
             raise _unfit(architecture, mappings, exc) from exc
+        matched += len(groups)
+        for smooth in (module for group in groups for module in group[0]):
+            # its AWQ divides the smoothing layer's weight by the scales it finds (llm-compressor 0.11's mapping
+            # for BLOOM smooths from the GELU, which has none, and stops on AttributeError after calibration)
+            if not isinstance(getattr(smooth, "weight", None), torch.Tensor):
+                raise RuntimeError(
+                    f"AWQ cannot calibrate {architecture}: {mappings} smooth from {names[id(smooth)]} "
+                    f"({type(smooth).__name__}), which has no weight for llm-compressor's AWQ to scale; convert it "
+                    "to GGUF instead")
     if not matched:
         raise _unmatched(architecture, mappings)
     return {"checked": True, "matched": matched}
