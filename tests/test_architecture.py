@@ -88,8 +88,10 @@ def test_the_scanner_finds_what_it_looks_for(tmp_path: Path) -> None:
 #: engine's runner, as exl2-reference runs the transformers one).
 ENGINE_PACKAGES = ("llamacpp", "vllm", "exllamav2", "transformers", "exl2_reference")
 FORMAT_PACKAGES = ("gguf", "awq", "exl2")
-#: What a runner may load of ``pipeline``: the standard-library-only modules, and the EXL2 codec (torch only).
-RUNNER_PIPELINE = frozenset({"pipeline", "pipeline.cpu", "pipeline.fs", "pipeline.errors", "pipeline.exl2_codec"})
+#: What a runner may load of ``pipeline``: the standard-library-only modules (llama_load: the llama.cpp runner's
+#: reason-keeping load), and the EXL2 codec (torch only).
+RUNNER_PIPELINE = frozenset({"pipeline", "pipeline.cpu", "pipeline.fs", "pipeline.errors", "pipeline.exl2_codec",
+                             "pipeline.llama_load"})
 #: What a runner may load of ``evaluators`` besides its own package: the protocol, the speed definitions and the
 #: shared EXL2 loader.
 RUNNER_SHARED = frozenset({"evaluators", "evaluators.protocol", "evaluators.speed", "evaluators.exl2_loader"})
