@@ -34,6 +34,8 @@ _ST_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "
             "U16": 16, "U32": 32, "U64": 64, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4,
             "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
 _MAX_HEADER = 100 * 1024 * 1024
+#: safetensors' floating-point dtypes a checkpoint's weights are stored in, as torch names them
+_TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 @dataclass
@@ -69,7 +71,20 @@ class Checkpoint:
 
     @property
     def torch_dtype(self) -> str:
-        return str(self.config.get("torch_dtype") or self.config.get("dtype") or "float32")
+        """The checkpoint's dtype: what config.json says (``torch_dtype``, or ``dtype`` as transformers 5 writes
+        it), else that of most of its stored floating-point weights (a config without one: a bf16 checkpoint
+        must not be read as float32, which makes its GGUF base F16), else float32."""
+        stated = self.config.get("torch_dtype") or self.config.get("dtype")
+        return str(stated) if stated else self.stored_dtype or "float32"
+
+    @property
+    def stored_dtype(self) -> str | None:
+        """The torch dtype of most of the stored floating-point weights (by elements; safetensors only)."""
+        count: dict[str, int] = {}
+        for name, info in self.tensors.items():
+            if info.dtype in _TORCH_DTYPES:
+                count[info.dtype] = count.get(info.dtype, 0) + self.n_elements_of(name)
+        return _TORCH_DTYPES[max(count, key=lambda d: count[d])] if count else None
 
     @property
     def size_bytes(self) -> int:

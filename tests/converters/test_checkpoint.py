@@ -125,6 +125,21 @@ def test_parameters_are_counted_as_transformers_counts_them(tmp_path: Path, demo
     assert load_checkpoint(ckpt, check_shapes=False).n_params > want  # what the count was without the check
 
 
+def test_a_config_without_a_dtype_takes_the_stored_weights_dtype(tmp_path: Path, demo_model: Path) -> None:
+    """A bf16 checkpoint whose config.json says no dtype was read as float32 (its GGUF base became F16)."""
+    from converters.gguf.converter import choose_base_type
+
+    ckpt = arch_checkpoint(tmp_path / "bf16", demo_model, "llama", layers=1, dtype="bfloat16")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg.pop("dtype", None) == "bfloat16" and "torch_dtype" not in cfg
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    loaded = load_checkpoint(ckpt)
+    assert (loaded.torch_dtype, loaded.stored_dtype, choose_base_type(loaded)) == ("bfloat16", "bfloat16", "BF16")
+    edit_config(ckpt, torch_dtype="float16")  # what the config says wins, as transformers reads it
+    assert load_checkpoint(ckpt).torch_dtype == "float16"
+    assert load_checkpoint(demo_model).stored_dtype == "float32"
+
+
 def test_a_config_without_architectures_is_refused_naming_the_class_to_add(tmp_path: Path, demo_model: Path) -> None:
     """llama.cpp's converter stops on it ("Failed to detect model architecture"); the check says what to add."""
     ckpt = copy_checkpoint(demo_model, tmp_path / "m")
