@@ -206,7 +206,10 @@ def _weight_files(root: Path, allow_pickle: bool, allowed_roots: tuple[Path, ...
             _check_inside(root, shard, allowed_roots)
             files.append(shard)
         return files
-    files = sorted(root.glob("*.safetensors"))
+    single = root / "model.safetensors"
+    # what transformers loads when there is no index: a Mistral repo's consolidated.safetensors (the same weights
+    # under Mistral's own names, for mistral-inference) or an adapter beside it is not part of the model
+    files = [single] if single.exists() else sorted(root.glob("*.safetensors"))
     if files:
         for f in files:
             _check_inside(root, f, allowed_roots)

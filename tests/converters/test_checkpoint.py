@@ -125,6 +125,18 @@ def test_parameters_are_counted_as_transformers_counts_them(tmp_path: Path, demo
     assert load_checkpoint(ckpt, check_shapes=False).n_params > want  # what the count was without the check
 
 
+def test_model_safetensors_is_the_model_as_transformers_reads_it(tmp_path: Path, demo_model: Path) -> None:
+    """Mistral's repos ship consolidated.safetensors (the same weights under mistral-inference's names) beside
+    the transformers files; without an index, transformers loads model.safetensors only, and so do we."""
+    ckpt = copy_checkpoint(demo_model, tmp_path / "m")
+    safetensors.numpy.save_file({"layers.0.attention.wq.weight": np.zeros((4, 4), np.float32)},
+                                str(ckpt / "consolidated.safetensors"))
+    loaded = load_checkpoint(ckpt)
+    assert [f.name for f in loaded.weight_files] == ["model.safetensors"]
+    assert "layers.0.attention.wq.weight" not in loaded.tensors
+    assert loaded.n_params == load_checkpoint(demo_model).n_params
+
+
 def test_a_config_without_a_dtype_takes_the_stored_weights_dtype(tmp_path: Path, demo_model: Path) -> None:
     """A bf16 checkpoint whose config.json says no dtype was read as float32 (its GGUF base became F16)."""
     from converters.gguf.converter import choose_base_type
