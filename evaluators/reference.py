@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import shutil
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -33,8 +34,9 @@ import numpy as np
 
 from evaluators.base import RunnerCommand, RunnerOutput, load_arrays, run_engine
 from evaluators.metrics import perplexity
+from evaluators.windows import WindowSet
 from pipeline.config import Settings
-from pipeline.errors import EngineError, InvalidSpecError
+from pipeline.errors import DiskFullError, EngineError, InvalidSpecError
 from pipeline.llama_cpp import LLAMA_CPP_VERSION
 from pipeline.plan import REFERENCE_GGUF_TYPES, EvalSpec
 from pipeline.specs import Engine
@@ -90,6 +92,35 @@ def gguf_reference_type(spec: EvalSpec) -> str:
     return REFERENCE_GGUF_TYPES[dtype]
 
 
+def full_store_bytes(checkpoint: Path, windows: Path) -> int | None:
+    """What the reference's whole distribution takes on disk: 2 bytes per vocabulary entry (the model's logits
+    width, config.json's ``vocab_size``) per scored position, as ``llama-perplexity --kl-divergence-base``
+    stores it; None where config.json does not say the width."""
+    try:
+        cfg = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if not isinstance(vocab, int):
+        return None
+    return 2 * vocab * WindowSet.load(windows).n_scored
+
+
+def _check_room(checkpoint: Path, windows: Path, out_dir: Path, settings: Settings) -> None:
+    """Refuse before the reference runs (hours at 70 B) where its stored distribution cannot fit the disk.
+
+    Raises:
+        DiskFullError: the store and the configured headroom exceed the free space where it is written.
+    """
+    need = full_store_bytes(checkpoint, windows)
+    if need is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out_dir).free
+    if need + (settings.disk_headroom_mb << 20) > free:
+        raise DiskFullError(out_dir, needed=need, free=free)
+
+
 def run_reference(checkpoint: Path, windows: Path, out_dir: Path, spec: EvalSpec, settings: Settings,
                   python: str | None = None, model_file: Path | None = None,
                   env: dict[str, str] | None = None,
@@ -119,6 +150,8 @@ def run_reference(checkpoint: Path, windows: Path, out_dir: Path, spec: EvalSpec
         request = {"model": str(checkpoint), "windows": str(windows), "reference": None, "top_k": spec.top_k,
                    "threads": settings.threads, "dtype": spec.reference_dtype, "device": spec.reference_device,
                    "store_full": store_full}
+    if store_full:
+        _check_room(checkpoint, windows, out_dir, settings)
     out = run_engine(cmd, request, out_dir, settings)
     assert out.arrays is not None
     ran = out.result.get("dtype", out.result.get("quality", {}).get("dtype"))

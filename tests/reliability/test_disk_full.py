@@ -64,3 +64,27 @@ def test_convert_on_a_full_disk(small_fs: Path, demo_model: Path, tmp_path: Path
     verify = subprocess.run([sys.executable, "-m", "pipeline.cli", "registry", "verify", "--deep", "--registry",
                              str(registry)], env=env, capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_a_reference_whose_distribution_cannot_fit_stops_before_it_runs(small_fs: Path, demo_model: Path,
+                                                                       tmp_path: Path, cache_dir: Path) -> None:
+    """The exact-KLD reference stores 2 bytes per vocabulary entry per scored position (at 70 B, written after
+    hours of forward passes): where that cannot fit, it is refused before the engine starts."""
+    import numpy as np
+
+    from evaluators.reference import full_store_bytes, run_reference
+    from evaluators.windows import WindowSet
+    from pipeline.config import Settings
+    from pipeline.plan import EvalSpec
+
+    n, w = 20, 512
+    windows = tmp_path / "windows.npz"
+    WindowSet(ids=np.ones((n, w), dtype=np.int32), score_start=np.ones(n, dtype=np.int32), window=w, stride=w,
+              add_bos=False, text_sha256="0" * 64).save(windows)
+    need = full_store_bytes(demo_model, windows)
+    assert need == 2 * 4096 * n * (w - 1)  # the demo's vocabulary; 84 MB, over the 40 MB filesystem
+    out = small_fs / "reference"
+    with pytest.raises(DiskFullError) as info:
+        run_reference(demo_model, windows, out, EvalSpec(), Settings(cache_dir=cache_dir, threads=2))
+    assert info.value.needed == need and str(out) in str(info.value)
+    assert not any(out.iterdir())  # no engine ran: nothing written
