@@ -167,9 +167,29 @@ def mismatch_error(report: ParityReport, gguf: Path, checkpoint: Path) -> Tokeni
         f"token position {report.position}{at} ({report.n_hf} HF tokens, {report.n_gguf} GGUF tokens). "
         f"From position {start}: HF {report.hf} {report.hf_pieces} vs GGUF {report.gguf} {report.gguf_pieces}",
         position=report.position, expected=report.hf, found=report.gguf,
-        hint="the GGUF would silently feed the model different tokens than it was trained on; fix the tokenizer "
-             "files (e.g. the pre-tokenizer in tokenizer.json) or llama.cpp's pre-tokenizer detection, or pass "
-             "--allow-tokenizer-mismatch to register it anyway (recorded in the lineage)")
+        hint=_first_token_hint(report) or (
+            "the GGUF would silently feed the model different tokens than it was trained on; fix the tokenizer "
+            "files (e.g. the pre-tokenizer in tokenizer.json) or llama.cpp's pre-tokenizer detection, or pass "
+            "--allow-tokenizer-mismatch to register it anyway (recorded in the lineage)"))
+
+
+def _first_token_hint(report: ParityReport) -> str | None:
+    """What to do where the two differ only by a first token one side adds (BOS): which side adds it, and the
+    setting that decides it. A SentencePiece checkpoint without tokenizer.json whose tokenizer_config.json
+    says no ``add_bos_token`` gets no BOS from transformers 5, while llama.cpp adds one."""
+    if report.position != 0:
+        return None
+    hf, gguf = report.hf, report.gguf
+    if report.n_gguf == report.n_hf + 1 and gguf[1:] == hf[:len(gguf) - 1]:
+        adds, lacks, piece = "llama.cpp", "the HF tokenizer", report.gguf_pieces[0]
+    elif report.n_hf == report.n_gguf + 1 and hf[1:] == gguf[:len(hf) - 1]:
+        adds, lacks, piece = "the HF tokenizer", "llama.cpp", report.hf_pieces[0]
+    else:
+        return None
+    return (f"only the first token differs: {adds} adds {piece!r} at the start and {lacks} does not; set "
+            "add_bos_token in the checkpoint's tokenizer_config.json to what the model was trained with (it decides "
+            "both sides: the GGUF's tokenizer.ggml.add_bos_token is written from it), then convert again, or pass "
+            "--allow-tokenizer-mismatch to register it anyway (recorded in the lineage)")
 
 
 def check_parity(gguf: Path, checkpoint: Path, *, python: str, env: dict[str, str], log_dir: Path,

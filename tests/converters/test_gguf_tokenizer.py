@@ -31,7 +31,7 @@ from pipeline.real_model import RealRecipe
 from pipeline.specs import GGUFSpec
 from registry import open_registry
 from tests.conftest import make_settings
-from tests.factories import gguf_swap_tokens
+from tests.factories import copy_checkpoint, gguf_swap_tokens
 
 
 def _base(demo_model: Path, cfg: Settings) -> Path:
@@ -77,6 +77,23 @@ def test_edited_vocabulary_is_caught_with_the_position(demo_model: Path, shared_
     offset = position - max(0, position - 4)
     assert err.expected[offset] == a and err.found[offset] == b
     assert "--allow-tokenizer-mismatch" in str(err)
+
+
+def test_a_first_token_only_one_side_adds_is_named_with_what_to_do(demo_model: Path, shared_work: Path,
+                                                                   cache_dir: Path, tmp_path: Path) -> None:
+    """Not crafted: the demo checkpoint without tokenizer.json, as SentencePiece repos often are. Its
+    tokenizer_config.json sets no add_bos_token, and transformers 5 builds its tokenizer from tokenizer.model
+    adding no BOS, while the GGUF adds one. The error says that, and which setting decides it."""
+    cfg = make_settings(tmp_path / "registry", shared_work, cache_dir)
+    spm = copy_checkpoint(demo_model, tmp_path / "spm")
+    (spm / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerMismatchError) as info:
+        check_parity(_base(demo_model, cfg), spm, python=sys.executable, env=llama_cpp_toolchain(cfg).env(),
+                     log_dir=tmp_path, timeout_s=120, allow=False)
+    assert info.value.position == 0 and info.value.found[1:] == info.value.expected[:-1]
+    assert info.value.hint is not None and info.value.hint.startswith(
+        "only the first token differs: llama.cpp adds '<s>' at the start and the HF tokenizer does not; set "
+        "add_bos_token in the checkpoint's tokenizer_config.json"), info.value.hint
 
 
 def test_mismatch_fails_the_variant_unless_allowed(demo_model: Path, shared_work: Path, cache_dir: Path,
