@@ -21,19 +21,27 @@ EXIT_INTERNAL = 4
 
 #: The last line of a Python traceback: ``ValueError: …``, ``torch.OutOfMemoryError: …``, ``KeyError: 'n_ctx'``.
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
+#: ggml_abort's first line (GGML_ASSERT and GGML_ABORT): ``…/ggml/src/ggml-backend.cpp:205: GGML_ASSERT(buffer) failed``.
+_GGML_ABORT = re.compile(r"^(?:\S*/)?((?:ggml|llama)[\w.-]*\.(?:c|cpp|cu|m|h)):(\d+): (.+)$")
 #: What a tool puts before its lines: vLLM's ``[rank0]: `` on every line a worker process writes.
 _LINE_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
 def cause_line(stderr_tail: str, limit: int = 300) -> str | None:
     """The line of a failed tool's stderr that names its failure: the last line that reads like a Python
-    exception (the last line of its traceback); None where there is none (the tool said something else,
-    and the log named in the error's hint holds it)."""
-    for line in reversed(stderr_tail.splitlines()):
-        line = _LINE_PREFIX.sub("", line.strip())
-        if _EXCEPTION_LINE.match(line):
-            return line if len(line) <= limit else line[:limit - 1] + "…"
-    return None
+    exception (the last line of its traceback), else the last abort of ggml/llama.cpp's C code (``GGML_ASSERT(…)
+    failed`` or ``GGML_ABORT``'s message, which it writes as ``FILE:LINE: message`` before the process dies of
+    SIGABRT); None where there is neither (the tool said something else, and the log named in the error's hint
+    holds it)."""
+    lines = [_LINE_PREFIX.sub("", line.strip()) for line in stderr_tail.splitlines()]
+    found = next((line for line in reversed(lines) if _EXCEPTION_LINE.match(line)), None)
+    if found is None:
+        aborts = [m for line in lines if (m := _GGML_ABORT.match(line))]
+        if aborts:
+            found = f"llama.cpp aborted: {aborts[-1].group(3)} ({aborts[-1].group(1)}:{aborts[-1].group(2)})"
+    if found is None:
+        return None
+    return found if len(found) <= limit else found[:limit - 1] + "…"
 
 class QuantyardError(Exception):
     """Base of all Quantyard errors."""

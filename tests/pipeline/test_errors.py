@@ -43,3 +43,26 @@ def test_the_cause_is_the_last_exception_line_or_nothing() -> None:
     assert cause_line("ValueError: " + "x" * 500, limit=40) == "ValueError: " + "x" * 27 + "…"
     plain = InvalidCheckpointError("no weights", hint="save it")
     assert plain.summary() == "InvalidCheckpointError: no weights → save it"
+
+
+ABORTS = """
+import sys, llama_cpp
+params = llama_cpp.llama_model_default_params()
+params.no_alloc = True  # with the default mmap load: llama.cpp asserts !no_alloc and aborts
+llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), params)
+"""
+
+
+def test_a_tool_llama_cpp_aborts_is_named_by_its_assert(tmp_path: Path, demo_registry_template: dict) -> None:
+    """llama.cpp's C code stops a process with SIGABRT after writing ``FILE:LINE: GGML_ASSERT(…) failed`` (an LFM2
+    with attention layers only does so at context creation); no Python exception names it, and the summary said
+    only "died from SIGABRT". A real abort here: llama.cpp's loader asked for no_alloc on its mmap path."""
+    from registry import open_registry
+
+    gguf = open_registry(str(demo_registry_template["registry"])).link_files("demo/Q8_0", tmp_path / "m")[0]
+    res = run_logged([sys.executable, "-c", ABORTS, str(gguf)], log_dir=tmp_path, name="aborts", timeout_s=60)
+    assert not res.ok and "SIGABRT" in res.describe(), res.describe()
+    assert cause_line(res.stderr_tail) == "llama.cpp aborted: GGML_ASSERT(!ml.no_alloc) failed (llama-model.cpp:1855)"
+    exc = ConversionError(f"the tool {res.describe()}", stderr_tail=res.stderr_tail)
+    assert exc.summary().startswith("ConversionError: the tool died from SIGABRT (llama.cpp aborted: "
+                                    "GGML_ASSERT(!ml.no_alloc) failed (llama-model.cpp:1855)) → "), exc.summary()
