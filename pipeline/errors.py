@@ -21,7 +21,8 @@ EXIT_INTERNAL = 4
 
 #: The last line of a Python traceback: ``ValueError: …``, ``torch.OutOfMemoryError: …``, ``KeyError: 'n_ctx'``.
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
-#: ggml_abort's first line (GGML_ASSERT and GGML_ABORT): ``…/ggml/src/ggml-backend.cpp:205: GGML_ASSERT(buffer) failed``.
+#: ggml_abort's first line (GGML_ASSERT and GGML_ABORT):
+#: ``…/ggml/src/ggml-backend.cpp:205: GGML_ASSERT(buffer) failed``.
 _GGML_ABORT = re.compile(r"^(?:\S*/)?((?:ggml|llama)[\w.-]*\.(?:c|cpp|cu|m|h)):(\d+): (.+)$")
 #: What a tool puts before its lines: vLLM's ``[rank0]: `` on every line a worker process writes.
 _LINE_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
