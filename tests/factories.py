@@ -100,6 +100,17 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Phi-2's shapes: no grouped K/V heads and an FFN 4 × hidden wide, which llama.cpp's converter writes
     # whatever intermediate_size says; its BPE tokenizer must be one llama.cpp knows (the real checkpoint's)
     "phi": {"model_type": "phi", "partial_rotary_factor": 0.5, "kv_heads": 4, "intermediate": 1024},
+    # others llama.cpp converts, each with the real checkpoint's BPE tokenizer: StableLM (partial rotary,
+    # LayerNorm), OLMo 2 (norms after attention and MLP, Q/K norms), Granite (its own multipliers, as
+    # granite-3.x sets them), Qwen2-MoE (routed and shared experts), OLMoE (Q/K norms over all heads, which
+    # llama.cpp's olmoe expects: no grouped K/V heads)
+    "stablelm": {"model_type": "stablelm"},
+    "olmo2": {"model_type": "olmo2"},
+    "granite": {"model_type": "granite", "attention_multiplier": 0.125, "embedding_multiplier": 12.0,
+                "residual_multiplier": 0.22, "logits_scaling": 4.0},
+    "qwen2_moe": {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256},
+    "olmoe": {"model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2, "kv_heads": 4},
 }
 
 
