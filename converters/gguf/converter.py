@@ -304,12 +304,13 @@ class GGUFConverter:
                 raise _conversion_error(res.stderr_tail, res.describe(), res.log, ctx.checkpoint)
             self._check_loads(ctx, tmp, dest.parent, name=dest.name)
 
-    def _check_loads(self, ctx: BuildContext, gguf: Path, log_dir: Path, name: str) -> dict[str, Any]:
+    def _check_loads(self, ctx: BuildContext, gguf: Path, log_dir: Path, name: str) -> None:
         """llama.cpp must load what its converter wrote. The converter writes some hyperparameters from what an
         architecture usually has (Phi-2's FFN width as 4 × hidden, no grouped K/V heads), so a checkpoint whose
         config differs converts and is refused at load: a tensor whose shape does not fit. Checked on the base,
-        metadata only (converters/gguf/workers/loads.py: milliseconds at any size), before any type is made from
-        it, so nothing llama.cpp cannot run is built, registered or evaluated.
+        metadata only (converters/gguf/workers/loads.py: 0.2 s with the worker's start for the 135 M base, no weight
+        read at any size), before any type is made from it, so nothing llama.cpp cannot run is built, registered or
+        evaluated.
 
         Raises:
             ConversionError: llama.cpp refuses the file; the cause is its loader's own reason.
@@ -328,7 +329,6 @@ class GGUFConverter:
                     hint=f"llama.cpp's {ckpt.architecture} does not support something in this checkpoint's "
                          f"config.json (the converter wrote hyperparameters the tensors do not fit); convert it "
                          f"to another format, or see the log {res.log}")
-            return dict(json.loads(output.read_text(encoding="utf-8")))
 
     # -- variants --------------------------------------------------------------------------------
 

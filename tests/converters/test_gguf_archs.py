@@ -93,10 +93,18 @@ def test_tied_embedding_llama_converts_evaluates_registers(checkpoints: dict[str
     _assert_evaluated_close(view)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma", "phi3", "mixtral"])
-def test_other_architectures_convert_with_tokenizer_parity(arch: str, tmp_path: Path, demo_model: Path,
-                                                           settings: Settings, prefect_harness: None) -> None:
-    ckpt = arch_checkpoint(tmp_path / f"tiny-{arch}", demo_model, arch, layers=1, **PEAKED)
+#: Each architecture with the tokenizer llama.cpp's converter takes for it: the demo's SentencePiece one, or,
+#: where it reads a GPT-2-style BPE vocabulary, the real checkpoint's SmolLM2 tokenizer (one it knows). "phi" has
+#: Phi-2's shapes.
+ARCH_TOKENIZERS = [*((arch, "demo_model") for arch in ("qwen3", "gemma", "phi3", "mixtral")),
+                   *((arch, "real_model") for arch in ("phi", "stablelm", "olmo2", "granite", "qwen2_moe", "olmoe"))]
+
+
+@pytest.mark.parametrize(("arch", "tokenizer"), ARCH_TOKENIZERS)
+def test_other_architectures_convert_with_tokenizer_parity(arch: str, tokenizer: str, request: pytest.FixtureRequest,
+                                                           tmp_path: Path, settings: Settings,
+                                                           prefect_harness: None) -> None:
+    ckpt = arch_checkpoint(tmp_path / f"tiny-{arch}", request.getfixturevalue(tokenizer), arch, layers=1, **PEAKED)
     report = _convert(ckpt, f"tiny-{arch}", "Q8_0", settings)
     assert report.ok, report
     view = open_registry(settings.registry).get_version(f"tiny-{arch}/Q8_0")
@@ -192,19 +200,6 @@ def test_checkpoints_as_transformers_reads_them_reach_llama_cpps_converter(
     field = GGUFReader(str(reg.blobs.path_of(view.files[0].sha256))).get_field(key)
     assert field is not None and field.contents() == value  # head 64 x 0.25; GPT-2's n_positions; one KV head
     assert view.lineage["parameters"]["converter_overrides"] == overrides
-    _assert_evaluated_close(view)
-
-
-@pytest.mark.parametrize("arch", ["phi", "stablelm", "olmo2", "granite", "qwen2_moe", "olmoe"])
-def test_architectures_with_a_bpe_tokenizer_convert_and_evaluate(arch: str, tmp_path: Path, real_model: Path,
-                                                                 settings: Settings, prefect_harness: None) -> None:
-    """Phi-2's shapes and other architectures llama.cpp's converter reads a GPT-2-style BPE vocabulary for (the
-    real checkpoint's SmolLM2 tokenizer, which it knows; the demo's SentencePiece one it would not take)."""
-    ckpt = arch_checkpoint(tmp_path / f"tiny-{arch}", real_model, arch, layers=1, **PEAKED)
-    report = _convert(ckpt, f"tiny-{arch}", "Q8_0", settings)
-    assert report.ok, report
-    view = open_registry(settings.registry).get_version(f"tiny-{arch}/Q8_0")
-    assert view.lineage["parameters"]["tokenizer_parity"]["ok"] is True
     _assert_evaluated_close(view)
 
 
