@@ -68,7 +68,8 @@ class QuantyardError(Exception):
     def summary(self) -> str:
         """One line for tables and stored results: type, message, the tool's own last words (:attr:`cause`),
         and what to do (a log path, often)."""
-        shown = f" ({self.cause})" if self.cause else ""
+        cause = self.cause
+        shown = f" ({cause})" if cause else ""
         return f"{type(self).__name__}: {self.message}{shown}" + (f" → {self.hint}" if self.hint else "")
 
     def to_dict(self) -> dict[str, str | None]:

@@ -60,7 +60,7 @@ def load_model(lib: Any, internals: Any, path: str | Path, params: Any, *, name:
         lib.llama_log_set(getattr(default, "llama_log_callback", None), ctypes.c_void_p(0))
 
 
-def check_loads(lib: Any, internals: Any, path: str | Path, *, name: str | None = None) -> dict[str, Any]:
+def check_loads(lib: Any, internals: Any, path: str | Path, *, name: str | None = None) -> None:
     """Load ``path``'s metadata and tensor infos the way llama.cpp's memory-fit pass does (``no_alloc``: every
     tensor is created and checked against the hyperparameters, no weight is read): milliseconds for any size.
 
@@ -71,8 +71,4 @@ def check_loads(lib: Any, internals: Any, path: str | Path, *, name: str | None 
     params.no_alloc = True
     params.load_mode = LLAMA_LOAD_MODE_NONE
     params.n_gpu_layers = 0
-    model = load_model(lib, internals, path, params, name=name)
-    try:
-        return {"n_params": int(model.n_params()), "n_vocab": int(model.n_vocab())}
-    finally:
-        model.close()
+    load_model(lib, internals, path, params, name=name).close()

@@ -2,7 +2,7 @@
 ``"name"``: the file's name in messages (a file still being written has a temporary one).
 
 Loads the file as llama.cpp's memory-fit pass does (``no_alloc``: every tensor is created and checked against
-the hyperparameters, no weight is read), and writes ``{"n_params": …, "n_vocab": …}`` to ``output``. A file
+the hyperparameters, no weight is read), and writes ``{"loads": true}`` to ``output`` once it has. A file
 llama.cpp refuses stops the worker with :class:`pipeline.llama_load.LlamaLoadError`, whose message is
 llama.cpp's own reason.
 """
@@ -22,8 +22,8 @@ def main() -> int:
     from llama_cpp import _internals
 
     llama_cpp.llama_backend_init()
-    found = check_loads(llama_cpp, _internals, req["model"], name=req.get("name"))
-    Path(req["output"]).write_text(json.dumps(found), encoding="utf-8")
+    check_loads(llama_cpp, _internals, req["model"], name=req.get("name"))
+    Path(req["output"]).write_text(json.dumps({"loads": True}), encoding="utf-8")
     return 0
 
 
