@@ -111,6 +111,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256},
     "olmoe": {"model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2, "kv_heads": 4},
+    # DeepSeek-V3's multi-head latent attention and sigmoid-gated routed experts (plus a shared one), every
+    # layer routed (first_k_dense_replace 0); transformers 5 writes no scoring_func (its router is always sigmoid)
+    "deepseek_v3": {"model_type": "deepseek_v3", "kv_lora_rank": 64, "q_lora_rank": 128, "qk_rope_head_dim": 32,
+                    "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "first_k_dense_replace": 0, "moe_intermediate_size": 256, "n_group": 1, "topk_group": 1,
+                    "kv_heads": 4},
 }
 
 

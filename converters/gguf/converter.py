@@ -187,8 +187,13 @@ class GGUFConverter:
     # -- base ------------------------------------------------------------------------------------
 
     def _base_dir(self, ctx: BuildContext, base_type: str) -> Path:
-        key = hashlib.sha256(json.dumps([ctx.source.identity, base_type, self.tool_identity()],
-                                        sort_keys=True).encode()).hexdigest()[:24]
+        """The base's cache folder: keyed by the source, the base type, the toolchain and what the converter is
+        told (:func:`converter_overrides`, where any), so a base converted before an override changed is not
+        reused."""
+        parts: list[Any] = [ctx.source.identity, base_type, self.tool_identity()]
+        if overrides := converter_overrides(ctx.checkpoint):
+            parts.append(overrides)
+        key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
         return ctx.settings.work_root / "gguf-base" / key
 
     def prepare(self, ctx: BuildContext, specs: list[Any]) -> Prepared:
@@ -251,9 +256,12 @@ class GGUFConverter:
         return [(IMATRIX_KIND, self.imatrix_key(ctx))] if any(getattr(s, "imatrix", False) for s in specs) else []
 
     def build_inputs(self, ctx: BuildContext, spec: GGUFSpec) -> dict[str, Any]:
-        """Inputs besides the spec that change a variant's bytes (part of its build key): a forced base type,
-        the split size, and for imatrix quants the calibration text, chunks and context."""
+        """Inputs besides the spec that change a variant's bytes (part of its build key): what the converter is
+        told (:func:`converter_overrides`), a forced base type, the split size, and for imatrix quants the
+        calibration text, chunks and context."""
         out: dict[str, Any] = {}
+        if overrides := converter_overrides(ctx.checkpoint):
+            out["converter_overrides"] = overrides
         if self.options.base_type != "auto":
             out["base_type"] = self.options.base_type
         if self.options.split_max_size:
@@ -456,9 +464,14 @@ def converter_config(config: dict[str, Any]) -> dict[str, Any]:
     * Falcon (``conversion/falcon.py``): ``num_kv_heads`` 1 for a multi-query model of the old decoder
       (``multi_query`` and not ``new_decoder_architecture``, as Falcon-7B): FalconConfig fills ``num_kv_heads``
       with the head count, and FalconAttention uses one key/value head there.
+    * DeepSeek-V3 (``conversion/deepseek.py``, ``conversion/base.py``): ``scoring_func`` "sigmoid" where config.json
+      has none. DeepseekV3TopkRouter always gates the experts with a sigmoid, and transformers 5's
+      DeepseekV3Config neither has nor writes the key (DeepSeek's own config.json spells it out); without it the
+      script writes no gating function and llama.cpp's deepseek2 takes a softmax: the GGUF loads and runs a
+      different model (a tiny random one with a routed layer: F32 KLD 0.49 against transformers, 2.7e-5 with it).
 
     Without them the script stops on ``KeyError: 'rotary_pct'`` / ``'n_ctx'``, or on a reshape of Falcon's fused
-    query/key/value weight, for models it supports."""
+    query/key/value weight, for models it supports, or (DeepSeek-V3) silently converts another model."""
     model_type = config.get("model_type")
     if model_type == "gpt_neox":
         rope = config.get("rope_parameters") or {}
@@ -467,6 +480,8 @@ def converter_config(config: dict[str, Any]) -> dict[str, Any]:
         return {"n_ctx": config["n_positions"]}
     if model_type == "falcon" and config.get("multi_query", True) and not config.get("new_decoder_architecture"):
         return {"num_kv_heads": 1}  # FalconConfig's defaults: multi_query true, new_decoder_architecture false
+    if model_type == "deepseek_v3" and "scoring_func" not in config:
+        return {"scoring_func": "sigmoid"}
     return {}
 
 

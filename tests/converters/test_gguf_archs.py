@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from gguf import GGUFReader, LlamaFileType
+from gguf import ExpertGatingFuncType, GGUFReader, LlamaFileType
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
@@ -165,6 +165,8 @@ def _hub_gpt2_layout(ckpt: Path) -> Path:
     ("gpt2", "transformers 5", "gpt2.context_length", 1024, {"hparams": {"n_ctx": 1024}}),
     ("gpt2", "hub", "gpt2.context_length", 1024, {"skip_suffixes": [".attn.bias", ".attn.masked_bias"]}),
     ("falcon", "transformers 5", "falcon.attention.head_count_kv", 1, {"hparams": {"num_kv_heads": 1}}),
+    ("deepseek_v3", "transformers 5", "deepseek2.expert_gating_func", int(ExpertGatingFuncType.SIGMOID),
+     {"hparams": {"scoring_func": "sigmoid"}}),
 ])
 def test_checkpoints_as_transformers_reads_them_reach_llama_cpps_converter(
         arch: str, spelling: str, key: str, value: int, overrides: dict[str, object], tmp_path: Path,
@@ -173,7 +175,10 @@ def test_checkpoints_as_transformers_reads_them_reach_llama_cpps_converter(
     AutoConfig loads, which holds neither (GPTNeoXConfig moves rotary_pct into rope_parameters whichever way
     config.json spells it; save_pretrained no longer writes n_ctx): it stopped on KeyError for every such source.
     For a multi-query Falcon (the config's defaults, as Falcon-7B) it read num_kv_heads, which FalconConfig fills
-    with the head count while the model uses one key/value head, and failed reshaping the fused QKV weight. A
+    with the head count while the model uses one key/value head, and failed reshaping the fused QKV weight. For a
+    DeepSeek-V3 it found no scoring_func (transformers 5 writes none: its router is always a sigmoid), wrote no
+    gating function, and llama.cpp gated the experts with a softmax: the file converted, loaded and ran another
+    model (F32 KLD 0.49 on a tiny one with a routed layer). A
     GPT-2 stored as the Hub's is (base-model names, causal-mask buffers) was refused by the source check as
     "16 tensors missing", and the converter cannot map its buffers. The SmolLM2 tokenizer is one llama.cpp's
     converter knows (the demo's is not a GPT-2 BPE). A wrong rotary fraction is not subtle: converted with
@@ -190,7 +195,7 @@ def test_checkpoints_as_transformers_reads_them_reach_llama_cpps_converter(
         assert loaded.n_params == AutoModelForCausalLM.from_pretrained(ckpt).num_parameters()  # masks not counted
     stored = json.loads((ckpt / "config.json").read_text())
     if spelling == "transformers 5":  # as it writes them: neither key the converter reads
-        assert not {"rotary_pct", "n_ctx"} & stored.keys()
+        assert not {"rotary_pct", "n_ctx", "scoring_func"} & stored.keys()
     if arch == "falcon":  # saved as the head count, and what the converter would read
         assert stored["multi_query"] and stored["num_kv_heads"] == stored["num_attention_heads"] == 4
     report = _convert(ckpt, f"tiny-{arch}", "Q8_0", settings)
@@ -200,6 +205,10 @@ def test_checkpoints_as_transformers_reads_them_reach_llama_cpps_converter(
     field = GGUFReader(str(reg.blobs.path_of(view.files[0].sha256))).get_field(key)
     assert field is not None and field.contents() == value  # head 64 x 0.25; GPT-2's n_positions; one KV head
     assert view.lineage["parameters"]["converter_overrides"] == overrides
+    # what the converter is told is part of the build key: a variant built before an override changed is rebuilt
+    ctx = BuildContext(checkpoint=load_checkpoint(ckpt), source=resolve_source(str(ckpt), cache_dir=settings.cache_dir),
+                       model_name=f"tiny-{arch}", settings=settings)
+    assert GGUFConverter(settings).build_inputs(ctx, GGUFSpec(type="Q8_0"))["converter_overrides"] == overrides
     _assert_evaluated_close(view)
 
 
@@ -231,3 +240,6 @@ def test_the_converter_is_given_nothing_where_its_script_finds_what_it_reads() -
     assert converter_config({"model_type": "gpt_neox"}) == {"rotary_pct": 0.25}  # GPTNeoXConfig's default
     assert converter_config({"model_type": "falcon", "new_decoder_architecture": True, "num_kv_heads": 8}) == {}
     assert converter_config({"model_type": "falcon", "multi_query": False}) == {}  # as falcon-rw-1b
+    assert converter_config({"model_type": "deepseek_v3", "scoring_func": "sigmoid"}) == {}  # as DeepSeek's own
+    assert converter_config({"model_type": "deepseek_v3"}) == {"scoring_func": "sigmoid"}
+    assert converter_config({"model_type": "deepseek_v2"}) == {}  # softmax, llama.cpp's default for deepseek2
