@@ -46,6 +46,10 @@ class TensorInfo:
     file: str
 
 
+#: config.json keys of the longest sequence a model was made for, as transformers' configs name them
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+
 @dataclass
 class Checkpoint:
     """A validated checkpoint folder."""
@@ -68,6 +72,26 @@ class Checkpoint:
         if not arches and isinstance(self.config.get("text_config"), dict):
             arches = self.config["text_config"].get("architectures") or []
         return str(arches[0]) if arches else f"{self.model_type}ForCausalLM"
+
+    @property
+    def trained_context(self) -> tuple[int, str] | None:
+        """The longest sequence the model was made for, and where config.json says it: ``max_position_embeddings``
+        (GPT-2's ``n_positions``, older ``n_ctx``; a multimodal model's ``text_config``), times the RoPE scaling
+        factor where that extends the stated length (YaRN, linear or dynamic with no
+        ``original_max_position_embeddings`` below it, as Qwen2.5 documents YaRN); None where config.json states
+        no length (ALiBi models such as BLOOM)."""
+        cfg = self.config.get("text_config")
+        cfg = cfg if isinstance(cfg, dict) else self.config
+        key = next((k for k in CONTEXT_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 0), None)
+        if key is None:
+            return None
+        length = int(cfg[key])
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        factor = rope.get("factor") if isinstance(rope, dict) else None
+        original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+        if isinstance(factor, int | float) and factor > 1 and (not isinstance(original, int) or original >= length):
+            return int(length * factor), f"{key} × rope factor {factor:g}"
+        return length, key
 
     @property
     def torch_dtype(self) -> str:

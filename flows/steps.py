@@ -28,7 +28,7 @@ from evaluators.reference import reference_key, run_reference
 from evaluators.windows import build_window_set
 from pipeline import __version__
 from pipeline.config import Settings
-from pipeline.errors import InvalidArtifactError, QuantyardError
+from pipeline.errors import InvalidArtifactError, InvalidSpecError, QuantyardError
 from pipeline.formats import format_info
 from pipeline.fs import incomplete_pid
 from pipeline.plan import EvalSpec, GGUFOptions, Plan
@@ -118,11 +118,33 @@ def resolve(plan: Plan, settings: Settings) -> Resolved:
                                trust_remote_code=plan.source.trust_remote_code, allowed_roots=allowed,
                                scan_values=False)
         name = validate_model_name(plan.model_name or default_model_name(src))
+        if plan.eval.enabled:
+            check_window_fits(plan.eval, ckpt)
         for fmt, specs in plan.by_format().items():
             make_converter(fmt, plan, settings).check(ckpt, specs)
     with stage(RESOLVE_PARTS["scan"], where):
         scan_nonfinite(ckpt)
     return Resolved(source=src, model_name=name, checkpoint=ckpt)
+
+
+def check_window_fits(spec: EvalSpec, ckpt: Checkpoint) -> None:
+    """Evaluation windows must fit the context the model was made for (:attr:`Checkpoint.trained_context`):
+    beyond it perplexity and KLD measure extrapolation, not the quantization, and a model with learned positions
+    (GPT-2, OPT) cannot run at all (transformers stops on an index error after the whole conversion).
+
+    Raises:
+        InvalidSpecError: the window is longer than the trained context.
+    """
+    found = ckpt.trained_context
+    if found is None or spec.window <= found[0]:
+        return
+    length, key = found
+    default = EvalSpec.model_fields["window"].default
+    raise InvalidSpecError(
+        f"evaluation windows of {spec.window} tokens are longer than {ckpt.path.name} was made for: {length} "
+        f"positions (config.json {key})",
+        hint=f"pass --window {length} or less (llama-perplexity's -c: the same window)"
+             + (f", or leave --window at its default of {default}" if default <= length else ""))
 
 
 def hub_options(settings: Settings) -> HubOptions:

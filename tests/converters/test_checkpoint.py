@@ -152,6 +152,24 @@ def test_a_config_without_a_dtype_takes_the_stored_weights_dtype(tmp_path: Path,
     assert load_checkpoint(demo_model).stored_dtype == "float32"
 
 
+@pytest.mark.parametrize(("config", "expected"), [
+    ({"model_type": "llama", "max_position_embeddings": 2048}, (2048, "max_position_embeddings")),
+    ({"model_type": "gpt2", "n_positions": 1024}, (1024, "n_positions")),  # GPT-2 as saved: learned positions
+    # Llama-3.1: the stated length already includes the scaling of its shorter original context
+    ({"model_type": "llama", "max_position_embeddings": 131072,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}},
+     (131072, "max_position_embeddings")),
+    # Qwen2.5 with the YaRN block its model cards say to add: the stated length is the original one
+    ({"model_type": "qwen2", "max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0,
+      "original_max_position_embeddings": 32768}}, (131072, "max_position_embeddings × rope factor 4")),
+    ({"model_type": "gemma3", "text_config": {"max_position_embeddings": 131072}}, (131072, "max_position_embeddings")),
+    ({"model_type": "bloom"}, None),  # ALiBi: no stated length
+])
+def test_the_trained_context_is_what_config_json_states(config: dict[str, object],
+                                                         expected: tuple[int, str] | None) -> None:
+    assert Checkpoint(path=Path("x"), config=config).trained_context == expected
+
+
 def test_a_config_without_architectures_is_refused_naming_the_class_to_add(tmp_path: Path, demo_model: Path) -> None:
     """llama.cpp's converter stops on it ("Failed to detect model architecture"); the check says what to add."""
     ckpt = copy_checkpoint(demo_model, tmp_path / "m")

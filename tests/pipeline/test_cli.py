@@ -18,7 +18,14 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from tests.conftest import registry_snapshot
-from tests.factories import bytelevel_bpe_checkpoint, copy_checkpoint, edit_config, random_checkpoint, truncate
+from tests.factories import (
+    arch_checkpoint,
+    bytelevel_bpe_checkpoint,
+    copy_checkpoint,
+    edit_config,
+    random_checkpoint,
+    truncate,
+)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -110,6 +117,24 @@ def test_a_failed_tool_is_named_by_its_own_error(tmp_path: Path, demo_model: Pat
     assert said["type"] == "ConversionError" and "exited with code 1" in said["message"], said
     assert said["cause"] == f"FileNotFoundError: File not found: {ckpt / 'tokenizer.model'}", said
     assert f"error (ConversionError): {said['message']} ({said['cause']})" in " ".join(result.stderr.split())
+    assert registry_snapshot(demo_registry) == before
+
+
+def test_windows_longer_than_the_model_was_made_for_are_refused_before_any_work(
+        tmp_path: Path, demo_model: Path, demo_registry: Path) -> None:
+    """A GPT-2 evaluated on windows longer than its learned positions stopped the reference on an index error
+    after the whole conversion; a RoPE model ran and measured extrapolation. The window is checked with the
+    source, before any conversion."""
+    ckpt = arch_checkpoint(tmp_path / "gpt2", demo_model, "gpt2", layers=1)
+    before = registry_snapshot(demo_registry)
+    result = CliRunner().invoke(app, ["convert", str(ckpt), "--gguf", "Q8_0", "--name", "g", "--registry",
+                                      str(demo_registry), "--window", "2048", "--no-speed", "--json"])
+    assert result.exit_code == 2, result.output
+    said = json.loads(result.stdout[result.stdout.index("{"):])
+    assert said["type"] == "InvalidSpecError", said
+    assert said["message"] == ("evaluation windows of 2048 tokens are longer than gpt2 was made for: 1024 positions "
+                               "(config.json n_positions)"), said
+    assert said["hint"].startswith("pass --window 1024 or less"), said
     assert registry_snapshot(demo_registry) == before
 
 
