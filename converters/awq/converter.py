@@ -99,7 +99,8 @@ class AWQConverter:
 
     def check(self, checkpoint: Checkpoint, specs: list[Any]) -> None:
         """Fail fast on what cannot be quantized: not a causal LM, AutoAWQ with 8 bits, a group size
-        that does not divide every linear layer's input width, a calibration file that changed."""
+        that does not divide every linear layer's input width, calibration samples longer than the model's
+        context, a calibration file that changed."""
         if not checkpoint.architecture.endswith("ForCausalLM"):
             raise UnsupportedArchitectureError(
                 f"AWQ here takes *ForCausalLM architectures (the model classes llm-compressor's and AutoAWQ's "
@@ -110,6 +111,7 @@ class AWQConverter:
                 raise InvalidSpecError(f"AutoAWQ writes 4-bit GEMM checkpoints only, {spec.bits} bits requested",
                                        hint="use --awq-backend llmcompressor for 8 bits")
             self._check_group_size(checkpoint, spec)
+            self._check_seq_len(checkpoint, spec)
             if spec.calibration_sha256 and spec.calibration and not spec.calibration.startswith("dataset:"):
                 path = Path(spec.calibration)
                 found = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
@@ -117,6 +119,17 @@ class AWQConverter:
                     raise ConfigError(f"calibration file {path} changed since the plan was made "
                                       f"(expected sha256 {spec.calibration_sha256[:12]}, found {found[:12]})",
                                       hint="run the command again to pin the current file")
+
+    @staticmethod
+    def _check_seq_len(checkpoint: Checkpoint, spec: AWQSpec) -> None:
+        """Calibration samples must fit the context the model was made for (a GPT-2 stops on an index error
+        inside the calibration pass; a RoPE model would be calibrated on activations it never produces)."""
+        found = checkpoint.trained_context
+        if found is not None and spec.calibration_seq_len > found[0]:
+            raise InvalidSpecError(
+                f"AWQ calibration samples of {spec.calibration_seq_len} tokens are longer than "
+                f"{checkpoint.path.name} was made for: {found[0]} positions (config.json {found[1]})",
+                hint=f"pass --awq-calibration-seq-len {found[0]} or less")
 
     @staticmethod
     def _check_group_size(checkpoint: Checkpoint, spec: AWQSpec) -> None:

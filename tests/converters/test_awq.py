@@ -68,6 +68,10 @@ def test_check_rejects_impossible_settings_fast(demo_model: Path, settings: Sett
         conv.check(ckpt, [AWQSpec(bits=8, backend=AWQBackend.AUTOAWQ)])
     with pytest.raises(ValueError, match="power of two"):
         AWQSpec(group_size=100)
+    with pytest.raises(InvalidSpecError, match=r"samples of 4096 tokens are longer than .* was made for: 2048 "
+                                               r"positions \(config.json max_position_embeddings\)"):
+        conv.check(ckpt, [AWQSpec(calibration_seq_len=4096)])
+    conv.check(ckpt, [AWQSpec(calibration_seq_len=2048)])  # the whole context fits
 
 
 def test_bad_awq_settings_exit_2_registry_unchanged(demo_model: Path, demo_registry: Path,
