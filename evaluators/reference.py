@@ -118,7 +118,14 @@ def _check_room(checkpoint: Path, windows: Path, out_dir: Path, settings: Settin
     out_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out_dir).free
     if need + (settings.disk_headroom_mb << 20) > free:
-        raise DiskFullError(out_dir, needed=need, free=free)
+        n = WindowSet.load(windows).n_scored
+        raise DiskFullError(
+            out_dir, needed=need, free=free,
+            what=f"the reference's whole distribution for exact KLD ({n:,} scored positions × the vocabulary, "
+                 f"2 bytes each, as llama-perplexity --kl-divergence-base stores it)",
+            hint="evaluate fewer windows (--max-windows; the store is proportional), take the top-k bound "
+                 "(--kld topk_lower_bound: no store, a lower bound), or free space / point QUANTYARD_WORK_DIR "
+                 "elsewhere; finished steps are reused")
 
 
 def run_reference(checkpoint: Path, windows: Path, out_dir: Path, spec: EvalSpec, settings: Settings,

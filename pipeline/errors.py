@@ -272,16 +272,21 @@ class OrchestratorError(QuantyardError, RuntimeError):
 class DiskFullError(QuantyardError, OSError):
     code = "disk_full"
 
-    def __init__(self, path: Path | str, *, needed: int | None = None, free: int | None = None) -> None:
+    def __init__(self, path: Path | str, *, needed: int | None = None, free: int | None = None,
+                 what: str | None = None, hint: str | None = None) -> None:
+        """``what``: what would not fit, where it is known before writing (the message then says "would not
+        fit" rather than "disk full while writing"); ``hint``: a more specific remedy than freeing space."""
         self.path = str(path)
         self.needed = needed
         self.free = free
         need = f"{needed / 1e6:.1f} MB" if needed is not None else "more space"
         have = f"; {free / 1e6:.1f} MB free" if free is not None else ""
+        message = (f"{what} would not fit in {self.path}: it needs {need}{have}" if what
+                   else f"disk full while writing {self.path}: needed {need}{have}")
         super().__init__(
-            f"disk full while writing {self.path}: needed {need}{have}",
-            hint="free space on that filesystem or point QUANTYARD_WORK_DIR / --registry elsewhere, "
-                 "then re-run: finished steps are reused",
+            message,
+            hint=hint or "free space on that filesystem or point QUANTYARD_WORK_DIR / --registry elsewhere, "
+                         "then re-run: finished steps are reused",
         )
 
 

@@ -87,4 +87,7 @@ def test_a_reference_whose_distribution_cannot_fit_stops_before_it_runs(small_fs
     with pytest.raises(DiskFullError) as info:
         run_reference(demo_model, windows, out, EvalSpec(), Settings(cache_dir=cache_dir, threads=2))
     assert info.value.needed == need and str(out) in str(info.value)
+    assert info.value.message.startswith(f"the reference's whole distribution for exact KLD ({n * (w - 1):,} scored "
+                                         f"positions"), info.value.message
+    assert "--max-windows" in (info.value.hint or "") and "--kld topk_lower_bound" in (info.value.hint or "")
     assert not any(out.iterdir())  # no engine ran: nothing written
