@@ -77,9 +77,11 @@ class Checkpoint:
     def trained_context(self) -> tuple[int, str] | None:
         """The longest sequence the model was made for, and where config.json says it: ``max_position_embeddings``
         (GPT-2's ``n_positions``, older ``n_ctx``; a multimodal model's ``text_config``), times the RoPE scaling
-        factor where that extends the stated length (YaRN, linear or dynamic with no
-        ``original_max_position_embeddings`` below it, as Qwen2.5 documents YaRN); None where config.json states
-        no length (ALiBi models such as BLOOM)."""
+        factor unless an ``original_max_position_embeddings`` below the stated length shows the factor is already
+        in it (Llama 3.1); None where config.json states no length (ALiBi models such as BLOOM). Configs do not
+        say whether the stated length includes the factor (Qwen2.5's documented YaRN block does not; Gemma 3's
+        linear factor 8 does), so where it is unsaid the longer reading is taken: whoever checks against this
+        refuses only what is beyond the model's context under either reading."""
         cfg = self.config.get("text_config")
         cfg = cfg if isinstance(cfg, dict) else self.config
         key = next((k for k in CONTEXT_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 0), None)
