@@ -70,6 +70,22 @@ def choose_base_type(ckpt: Checkpoint, requested: str = "auto") -> str:
     return "BF16" if "bfloat16" in ckpt.torch_dtype else "F16"
 
 
+#: The GGUF float type that holds each checkpoint dtype exactly
+_EXACT_TYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def converted_directly(ckpt: Checkpoint, base_type: str, spec: GGUFSpec) -> bool:
+    """Whether the float type ``spec`` is converted from the checkpoint by llama.cpp's converter rather than made
+    from the base by llama-quantize: where the base does not hold the source's values exactly (the F16 base of an
+    fp32 source), llama-quantize would store F16's rounding as F32, or round F16's rounding again to BF16 (with
+    F16's range), which is not what F32 or BF16 means in llama.cpp's tables (``convert_hf_to_gguf.py --outtype``
+    from the checkpoint)."""
+    if spec.imatrix or spec.type not in GGUF_BASE_TYPES or spec.type == base_type:
+        return False
+    source = next((t for dtype, t in _EXACT_TYPE.items() if dtype in ckpt.torch_dtype), None)
+    return not (base_type == "F32" or source == base_type)
+
+
 class GGUFConverter:
     format: ClassVar[QuantFormat] = QuantFormat.GGUF
 
@@ -204,19 +220,28 @@ class GGUFConverter:
             ConfigError: imatrix quants were requested but no calibration was given.
         """
         base_type = choose_base_type(ctx.checkpoint, self.base_type)
-        folder = self._base_dir(ctx, base_type)
-        base = folder / f"{ctx.file_stem}-{base_type}.gguf"
+        base, converted = self._converted(ctx, base_type)
         prepared = Prepared(paths={"base": str(base)}, meta={"base_type": base_type})
-        if not (base.is_file() and (folder / "ok").is_file()):
-            folder.mkdir(parents=True, exist_ok=True)
-            self._convert(ctx, base_type, base)
-            (folder / "ok").write_text(json.dumps(inspect_gguf(base)))
+        if converted:
             prepared.events.append("convert_base")
-        workdir.mark_used(folder)
-        prepared.meta["base_info"] = _base_info(folder / "ok", base)
+        prepared.meta["base_info"] = _base_info(base.parent / "ok", base)
         if any(getattr(s, "imatrix", False) for s in specs):
             self._prepare_imatrix(ctx, prepared, base, base_type)
         return prepared
+
+    def _converted(self, ctx: BuildContext, gguf_type: str) -> tuple[Path, bool]:
+        """The checkpoint converted by llama.cpp's converter to the float type ``gguf_type``, from its cache
+        folder (converted now if missing: then True)."""
+        folder = self._base_dir(ctx, gguf_type)
+        path = folder / f"{ctx.file_stem}-{gguf_type}.gguf"
+        converted = False
+        if not (path.is_file() and (folder / "ok").is_file()):
+            folder.mkdir(parents=True, exist_ok=True)
+            self._convert(ctx, gguf_type, path)
+            (folder / "ok").write_text(json.dumps(inspect_gguf(path)))
+            converted = True
+        workdir.mark_used(folder)
+        return path, converted
 
     # -- the importance matrix -------------------------------------------------------------------
 
@@ -264,6 +289,8 @@ class GGUFConverter:
             out["converter_overrides"] = overrides
         if self.options.base_type != "auto":
             out["base_type"] = self.options.base_type
+        if converted_directly(ctx.checkpoint, choose_base_type(ctx.checkpoint, self.base_type), spec):
+            out["converted_directly"] = True  # before, such a type was made from the base (F16's rounding)
         if self.options.split_max_size:
             out["split_max_size"] = self.options.split_max_size
         if spec.imatrix:
@@ -352,7 +379,12 @@ class GGUFConverter:
             raise ConfigError(f"{spec.name} is an imatrix quant but no importance matrix was prepared",
                               hint="prepare the format with the imatrix variants in its spec list")
         base_info = prepared.meta.get("base_info") or inspect_gguf(base)
-        if spec.type == base_type and not spec.imatrix:
+        direct = converted_directly(ctx.checkpoint, base_type, spec)
+        if direct:  # the base does not hold the source exactly: this float type comes from the checkpoint
+            made, converted = self._converted(ctx, spec.type)
+            shutil.copyfile(made, out)
+            events.extend(["convert"] if converted else [])
+        elif spec.type == base_type and not spec.imatrix:
             shutil.copyfile(base, out)  # the base is this variant; the blob store dedups identical bytes
         else:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gguf-parity") as pool:
@@ -372,7 +404,7 @@ class GGUFConverter:
             info = inspect_parts(parts)
             _check_output(parts[0], info, spec, base_info)
         params: dict[str, Any] = {
-            "type": spec.type, "base_type": base_type,
+            "type": spec.type, "base_type": spec.type if direct else base_type,
             "imatrix": prepared.meta.get("imatrix") if spec.imatrix else None,
             "split": {"max_size": self.options.split_max_size, "parts": len(parts)}
             if self.options.split_max_size else None,

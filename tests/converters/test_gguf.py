@@ -40,6 +40,42 @@ def test_base_once_then_types_from_it(tmp_path: Path, demo_model: Path, settings
         assert built.info["tensor_count"] == inspect_gguf(Path(first.paths["base"]))["tensor_count"]
 
 
+def test_float_types_the_base_cannot_hold_exactly_are_converted_from_the_checkpoint(
+        tmp_path: Path, demo_model: Path, settings: Settings) -> None:
+    """The demo is fp32, so its base is F16. Made from that base, its "F32" held F16's rounding of every weight
+    (found: 6e-5 off the source on a tiny model) and its BF16 a second rounding of it: not what F32 or BF16
+    means in llama.cpp's tables. They are converted from the checkpoint; F16 is still the base itself."""
+    import numpy as np
+    import torch
+    from safetensors.numpy import load_file
+
+    conv = GGUFConverter(settings)
+    ctx = _ctx(demo_model, settings)
+    prepared = conv.prepare(ctx, [])
+    assert prepared.meta["base_type"] == "F16"
+    source = load_file(str(demo_model / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
+
+    def weight(built: object) -> np.ndarray:
+        path = next(iter(built.files.values()))  # type: ignore[attr-defined]
+        tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
+        data = np.asarray(tensor.data)  # BF16 comes as its bytes
+        return (data.view(np.int16) if data.dtype == np.uint8 else data).reshape(source.shape)
+
+    f32 = conv.build(ctx, prepared, GGUFSpec(type="F32"), tmp_path / "F32")
+    assert np.array_equal(weight(f32), source)  # every bit of the source
+    assert f32.parameters["base_type"] == "F32" and f32.events == ["convert"]
+    assert conv.build(ctx, prepared, GGUFSpec(type="F32"), tmp_path / "F32-again").events == []  # cached
+    assert conv.build_inputs(ctx, GGUFSpec(type="F32")) == {"converted_directly": True}
+    bf16 = conv.build(ctx, prepared, GGUFSpec(type="BF16"), tmp_path / "BF16")
+    once = torch.from_numpy(source).to(torch.bfloat16).view(torch.int16).numpy()  # one rounding, as torch does it
+    assert np.array_equal(weight(bf16), once)
+    f16 = conv.build(ctx, prepared, GGUFSpec(type="F16"), tmp_path / "F16")
+    assert f16.parameters["base_type"] == "F16" and f16.events == []
+    assert conv.build_inputs(ctx, GGUFSpec(type="F16")) == {}
+    f16_file = next(iter(f16.files.values()))
+    assert f16_file.read_bytes() == Path(prepared.paths["base"]).read_bytes()
+
+
 #: llama.cpp's library call, as the quantize worker made it before it ran the llama-quantize binary
 LIBRARY_QUANTIZE = """
 import ctypes, sys, llama_cpp
