@@ -432,6 +432,7 @@ def _variant(spec: Any, graph: Graph, outcomes: dict[str, StageOutcome], report:
     version = reg.get_version(done.ref)
     out.variant = version.variant  # the concrete name (an open EXL2 backend resolved on the build worker)
     out.size, out.bpw = version.size, (version.lineage.get("info") or {}).get("bpw")
+    out.notes = list((version.lineage.get("parameters") or {}).get("llama_cpp_divergences") or [])
     built = build.outputs()
     out.events = [] if built is None else list(built.events)
     default = str(format_info(out.format).engine)

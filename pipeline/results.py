@@ -112,6 +112,9 @@ class VariantOutcome(BaseModel):
     cross_checks: list[CrossCheck] = Field(default_factory=list)
     eval_status: str | None = None  # ok | failed | skipped | reused
     eval_error: str | None = None
+    #: What a reader of this variant's numbers must know about how its engine runs the model (GGUF: the lineage's
+    #: ``llama_cpp_divergences``, converters/gguf/converter.py)
+    notes: list[str] = Field(default_factory=list)
 
 
 class ConvertReport(BaseModel):

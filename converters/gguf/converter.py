@@ -411,6 +411,8 @@ class GGUFConverter:
             "tokenizer_parity": parity}
         if given := converter_overrides(ctx.checkpoint):
             params["converter_overrides"] = given  # what llama.cpp's converter was told beyond the checkpoint
+        if differs := llama_cpp_divergences(ctx.checkpoint.config):
+            params["llama_cpp_divergences"] = differs
         return BuiltVariant(variant=spec.name, files={p.name: p for p in parts}, tool=self.tool_identity(),
                             parameters=params, events=events, info=info)
 
@@ -515,6 +517,44 @@ def converter_config(config: dict[str, Any]) -> dict[str, Any]:
     if model_type == "deepseek_v3" and "scoring_func" not in config:
         return {"scoring_func": "sigmoid"}
     return {}
+
+
+def llama_cpp_divergences(config: dict[str, Any]) -> list[str]:
+    """What in ``config`` (config.json) the pinned llama.cpp runs differently from transformers, where no GGUF key
+    can say otherwise: the GGUF of such a checkpoint is a faithful llama.cpp model of another one, and its KLD
+    against transformers shows it even at F32 (each measured on a tiny random checkpoint; README). Recorded in
+    each GGUF variant's lineage (``parameters.llama_cpp_divergences``) and said with the run's results.
+
+    * Qwen3-MoE with ``norm_topk_prob`` false (Qwen3MoeConfig's default; Qwen's releases say true): llama.cpp's
+      qwen3moe always renormalises the chosen experts' weights (F32 KLD 0.032, against 1.5e-5 with true).
+    * Gemma 3 with ``query_pre_attn_scalar`` not ``head_dim`` (both default 256; Google's sizes have them equal
+      but the 27B, 62 layers, which llama.cpp special-cases): llama.cpp scales queries by 1/√head_dim (0.047 vs
+      2.7e-7).
+    * gpt-oss: llama.cpp's YaRN rounds the correction range where ``truncate`` is false (as gpt-oss's released
+      config says), and its SwiGLU limit is 7.0 whatever ``swiglu_limit`` says (0.108 and 2.77 on a tiny one).
+    """
+    text = config.get("text_config")
+    cfg = text if isinstance(text, dict) else config
+    model_type = cfg.get("model_type") or config.get("model_type")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    out: list[str] = []
+    if model_type == "qwen3_moe" and not cfg.get("norm_topk_prob", False):
+        out.append("llama.cpp's qwen3moe always renormalises the chosen experts' routing weights; this config says "
+                   "norm_topk_prob false, so the GGUF runs another model (its KLD against transformers shows it)")
+    if model_type in ("gemma3", "gemma3_text") and cfg.get("num_hidden_layers") != 62:
+        scalar, head = cfg.get("query_pre_attn_scalar", 256), cfg.get("head_dim", 256)
+        if scalar != head:
+            out.append(f"llama.cpp's gemma3 scales queries by 1/sqrt(head_dim {head}); this config says "
+                       f"query_pre_attn_scalar {scalar}, so the GGUF runs another model (its KLD against "
+                       "transformers shows it)")
+    if model_type == "gpt_oss":
+        if isinstance(rope, dict) and rope.get("truncate") is False:
+            out.append("llama.cpp's YaRN rounds the correction range, where this config says truncate false "
+                       "(vllm-project/vllm#27722 is the same mismatch in vLLM); the KLD against transformers shows it")
+        if cfg.get("swiglu_limit", 7.0) != 7.0:
+            out.append(f"llama.cpp's gpt-oss clamps the SwiGLU at 7.0; this config says swiglu_limit "
+                       f"{cfg['swiglu_limit']}")
+    return out
 
 
 #: Tensors of a GPT-2 checkpoint that are no weights: GPT2Attention's causal-mask buffers ``h.N.attn.bias`` and

@@ -166,11 +166,24 @@ def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
         note = _source_note(report.source)
         if note:
             console.print(f"[yellow]note[/]: {note}")
+        from rich.markup import escape
+
+        for said, names in _variant_notes(report.variants).items():
+            console.print(f"[yellow]note[/] ({', '.join(names)}): {escape(said)}")
         for v in report.variants:
             if v.error or v.eval_error:
                 console.print(f"[red]{v.variant}[/]: {v.error or v.eval_error}")
     if not report.ok or any(v.eval_status == "failed" for v in report.variants):
         raise typer.Exit(EXIT_ENGINE)
+
+
+def _variant_notes(variants: list[Any]) -> dict[str, list[str]]:
+    """Each variant note once, with the variants it applies to."""
+    out: dict[str, list[str]] = {}
+    for v in variants:
+        for said in v.notes:
+            out.setdefault(said, []).append(v.variant)
+    return out
 
 
 def _source_note(source: dict[str, Any]) -> str | None:

@@ -17,7 +17,7 @@ from gguf import ExpertGatingFuncType, GGUFReader, LlamaFileType
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf.converter import GGUFConverter, converter_config
+from converters.gguf.converter import GGUFConverter, converter_config, llama_cpp_divergences
 from converters.source import resolve_source
 from flows.quantize import convert_flow
 from pipeline.config import Settings
@@ -25,7 +25,7 @@ from pipeline.errors import ConversionError, TokenizerMismatchError
 from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
 from pipeline.specs import GGUFSpec
 from registry import open_registry
-from tests.factories import arch_checkpoint
+from tests.factories import arch_checkpoint, random_checkpoint
 
 PEAKED = {"initializer_range": 0.3}
 TINY_EVAL = EvalSpec(window=128, stride=128, max_windows=4, speed=SpeedSpec(enabled=False))
@@ -243,3 +243,38 @@ def test_the_converter_is_given_nothing_where_its_script_finds_what_it_reads() -
     assert converter_config({"model_type": "deepseek_v3", "scoring_func": "sigmoid"}) == {}  # as DeepSeek's own
     assert converter_config({"model_type": "deepseek_v3"}) == {"scoring_func": "sigmoid"}
     assert converter_config({"model_type": "deepseek_v2"}) == {}  # softmax, llama.cpp's default for deepseek2
+
+
+def test_a_model_llama_cpp_runs_differently_is_said_with_its_numbers(tmp_path: Path, real_model: Path,
+                                                                     settings: Settings, prefect_harness: None) -> None:
+    """A Qwen3-MoE whose config says norm_topk_prob false (Qwen3MoeConfig's default) converts and evaluates, but
+    llama.cpp's qwen3moe always renormalises the chosen experts' weights: the GGUF runs another model. Its F32
+    KLD shows it, and the variant says why. Measured on this shape: 9.8e-4 with norm_topk_prob false, 3.0e-6 with
+    true (the same but for that key, through `quantyard convert --gguf F32`)."""
+    ckpt = random_checkpoint(tmp_path / "tiny-qwen3moe", real_model, model_type="qwen3_moe", layers=1, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=256, head_dim=64, norm_topk_prob=False,
+                             **PEAKED)
+    report = _convert(ckpt, "tiny-qwen3moe", "F32", settings)
+    assert report.ok, report  # type: ignore[attr-defined]
+    (variant,) = report.variants  # type: ignore[attr-defined]
+    assert variant.notes == llama_cpp_divergences(json.loads((ckpt / "config.json").read_text()))
+    assert len(variant.notes) == 1 and "norm_topk_prob false" in variant.notes[0], variant.notes
+    view = open_registry(settings.registry).get_version("tiny-qwen3moe/F32")
+    assert view.lineage["parameters"]["llama_cpp_divergences"] == variant.notes
+    assert _assert_evaluated_close(view)["kld_mean"] > 1e-4  # not F32 rounding: another model
+
+
+def test_only_what_llama_cpp_runs_differently_is_said() -> None:
+    assert llama_cpp_divergences({"model_type": "llama"}) == []
+    assert llama_cpp_divergences({"model_type": "qwen3_moe", "norm_topk_prob": True}) == []  # Qwen's releases
+    assert len(llama_cpp_divergences({"model_type": "qwen3_moe"})) == 1  # the config's default: false
+    assert llama_cpp_divergences({"model_type": "gemma3_text"}) == []  # 256 and 256, as Gemma 3 1B
+    assert llama_cpp_divergences({"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "head_dim": 128, "query_pre_attn_scalar": 168, "num_hidden_layers": 62}}) == []
+    (said,) = llama_cpp_divergences({"model_type": "gemma3_text", "head_dim": 64})
+    assert "query_pre_attn_scalar 256" in said and "head_dim 64" in said
+    released_gpt_oss = {"model_type": "gpt_oss", "swiglu_limit": 7.0, "rope_scaling": {
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 4096}}
+    (said,) = llama_cpp_divergences(released_gpt_oss)
+    assert "truncate false" in said
