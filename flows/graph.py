@@ -324,9 +324,11 @@ def settle(reg: Registry, request: StageRequest,
            upstream: list[StageOutcome]) -> tuple[StageOutcome | None, StageRequest]:
     """Before running a stage: ``skipped`` if an upstream stage did not finish, ``reused`` if the ledger
     holds its key with outputs still present; else ``None`` and the request to run (its key may have moved)."""
-    blocked = [u.stage for u in upstream if u.status not in FINISHED]
+    blocked = [u for u in upstream if u.status not in FINISHED]
     if blocked:
-        return request.outcome("skipped", error=f"upstream {', '.join(blocked)} did not finish"), request
+        why = "; ".join(f"{u.stage}: {u.error}" for u in blocked if u.error)  # the reason, not only its place
+        error = f"upstream {', '.join(u.stage for u in blocked)} did not finish" + (f" ({why})" if why else "")
+        return request.outcome("skipped", error=error), request
     record, request = reusable(reg, request)
     if record is not None:
         return request.outcome("reused", record=record), request
