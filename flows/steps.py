@@ -120,6 +120,7 @@ def resolve(plan: Plan, settings: Settings) -> Resolved:
         name = validate_model_name(plan.model_name or default_model_name(src))
         if plan.eval.enabled:
             check_window_fits(plan.eval, ckpt)
+            check_eval_text(plan.eval, ckpt)
         for fmt, specs in plan.by_format().items():
             make_converter(fmt, plan, settings).check(ckpt, specs)
     with stage(RESOLVE_PARTS["scan"], where):
@@ -145,6 +146,26 @@ def check_window_fits(spec: EvalSpec, ckpt: Checkpoint) -> None:
         f"positions (config.json {key})",
         hint=f"pass --window {length} or less (llama-perplexity's -c: the same window)"
              + (f", or leave --window at its default of {default}" if default <= length else ""))
+
+
+def check_eval_text(spec: EvalSpec, ckpt: Checkpoint) -> None:
+    """The evaluation text given as a file (``--eval-text``, or the checkpoint's own ``eval.txt``) must be UTF-8
+    and hold at least one window: a token covers at least one byte, so a text of fewer bytes than a window (less
+    its BOS) surely holds none. Checked with the source, before any conversion (the window set, built after the
+    conversions, counts its tokens exactly). The built-in text is long enough; a dataset is read later.
+
+    Raises:
+        ConfigError: the file is not UTF-8.
+        InvalidSpecError: the text is shorter than one window.
+    """
+    if spec.dataset:
+        return
+    text, origin = pick_eval_text(ckpt.path, file=spec.text_file)
+    size = len(text.encode("utf-8"))
+    if size + 1 < spec.window:
+        raise InvalidSpecError(
+            f"the evaluation text ({origin}) has {size} bytes, so fewer than one window of {spec.window} tokens",
+            hint="use a longer --eval-text or a smaller --window")
 
 
 def hub_options(settings: Settings) -> HubOptions:

@@ -92,11 +92,21 @@ def builtin_calibration_text() -> tuple[str, str]:
 
 
 def file_text(path: str | Path, *, what: str, hint: str) -> tuple[str, str]:
-    """A text file: its text and origin ``file:NAME``. Raises ConfigError (``what`` names it) when missing."""
+    """A text file: its text and origin ``file:NAME``. Raises ConfigError (``what`` names it) when missing or
+    not UTF-8."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"{what} {p} does not exist", hint=hint)
-    return p.read_text(encoding="utf-8"), f"file:{p.name}"
+    return read_utf8(p, what), f"file:{p.name}"
+
+
+def read_utf8(path: Path, what: str) -> str:
+    """``path``'s text. Raises ConfigError naming ``what`` and the first bad byte where it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start} ({exc.reason})", hint="pass a UTF-8 text file (convert it with iconv)") from exc
 
 
 def parse_dataset_spec(spec: str) -> tuple[str, str | None, str, str]:
@@ -141,7 +151,7 @@ def checkpoint_text(checkpoint: Path, file_name: str) -> tuple[str, str] | None:
     own = checkpoint / file_name
     if not own.is_file():
         return None
-    return own.read_text(encoding="utf-8"), text_origin(checkpoint, file_name)
+    return read_utf8(own, f"the checkpoint's {file_name}"), text_origin(checkpoint, file_name)
 
 
 # --- the pickers --------------------------------------------------------------------------------------
@@ -171,5 +181,5 @@ def calibration_text(checkpoint: Path, source: str | None = None) -> tuple[str, 
 
 __all__ = ["BUILTIN_CALIB_ORIGIN", "BUILTIN_EVAL_ORIGIN", "CALIB_TEXT", "EVAL_TEXT", "PROVENANCE_FILE",
            "builtin_calibration_text", "builtin_corpus", "builtin_eval_text", "calibration_text", "checkpoint_text",
-           "dataset_text", "eval_text", "file_text", "parse_dataset_spec", "split_of", "text_origin",
+           "dataset_text", "eval_text", "file_text", "parse_dataset_spec", "read_utf8", "split_of", "text_origin",
            "text_sha256"]

@@ -138,6 +138,42 @@ def test_windows_longer_than_the_model_was_made_for_are_refused_before_any_work(
     assert registry_snapshot(demo_registry) == before
 
 
+@pytest.mark.parametrize(("content", "error", "said"), [
+    (b"\xff\xfe not text", "ConfigError", "is not UTF-8 text: byte 0xff at offset 0 (invalid start byte)"),
+    (b"", "InvalidSpecError", "the evaluation text (file:eval.txt) has 0 bytes, so fewer than one window of 512"),
+    (b"short text only.\n", "InvalidSpecError", "has 17 bytes, so fewer than one window of 512 tokens"),
+])
+def test_an_evaluation_text_that_cannot_hold_a_window_is_refused_before_any_work(
+        content: bytes, error: str, said: str, tmp_path: Path, demo_model: Path, demo_registry: Path) -> None:
+    """Before, a binary file stopped the command with an internal UnicodeDecodeError traceback, and an empty or
+    short one converted and registered the variant before the reference failed."""
+    text = tmp_path / "eval.txt"
+    text.write_bytes(content)
+    before = registry_snapshot(demo_registry)
+    result = CliRunner().invoke(app, ["convert", str(demo_model), "--gguf", "Q8_0", "--name", "t", "--registry",
+                                      str(demo_registry), "--eval-text", str(text), "--no-speed", "--json"])
+    assert result.exit_code == 2, result.output
+    got = json.loads(result.stdout[result.stdout.index("{"):])
+    assert got["type"] == error and said in got["message"], got
+    assert registry_snapshot(demo_registry) == before
+
+
+def test_a_text_short_in_tokens_fails_the_evaluation_saying_why(tmp_path: Path, demo_model: Path,
+                                                                demo_registry: Path) -> None:
+    """Long enough in bytes for the early check, too short in tokens: the window set says so, and each variant's
+    evaluation error carries that reason, not only "upstream reference did not finish"."""
+    text = tmp_path / "eval.txt"
+    text.write_text((demo_model / "eval.txt").read_text(encoding="utf-8")[:1500], encoding="utf-8")
+    result = CliRunner().invoke(app, ["convert", str(demo_model), "--gguf", "Q8_0", "--name", "demo", "--registry",
+                                      str(demo_registry), "--eval-text", str(text), "--no-speed", "--json"])
+    assert result.exit_code == 3, result.output
+    (variant,) = json.loads(result.stdout[result.stdout.index("{"):])["variants"]
+    assert variant["status"] == "reused" and variant["eval_status"] == "failed", variant
+    assert variant["eval_error"].startswith("upstream reference did not finish (reference: InvalidSpecError: the "
+                                            "evaluation text has "), variant
+    assert "tokens, fewer than one window of 512" in variant["eval_error"], variant
+
+
 def test_json_error_output(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["show", "demo/Q8_0", "--registry", str(tmp_path / "r"), "--json"])
     assert result.exit_code == 2
