@@ -96,7 +96,7 @@ def file_text(path: str | Path, *, what: str, hint: str) -> tuple[str, str]:
     not UTF-8."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ConfigError(f"{what} {p} does not exist", hint=hint)
+        raise ConfigError(f"{what} {p} {'is a folder, not a file' if p.is_dir() else 'does not exist'}", hint=hint)
     return read_utf8(p, what), f"file:{p.name}"
 
 
