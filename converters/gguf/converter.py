@@ -79,10 +79,12 @@ def converted_directly(ckpt: Checkpoint, base_type: str, spec: GGUFSpec) -> bool
     from the base by llama-quantize: where the base does not hold the source's values exactly (the F16 base of an
     fp32 source), llama-quantize would store F16's rounding as F32, or round F16's rounding again to BF16 (with
     F16's range), which is not what F32 or BF16 means in llama.cpp's tables (``convert_hf_to_gguf.py --outtype``
-    from the checkpoint)."""
+    from the checkpoint). The source's dtype is that of most stored weights (config.json's where none is stored
+    as a float: a config can say float16 over fp32 weights)."""
     if spec.imatrix or spec.type not in GGUF_BASE_TYPES or spec.type == base_type:
         return False
-    source = next((t for dtype, t in _EXACT_TYPE.items() if dtype in ckpt.torch_dtype), None)
+    stored = ckpt.stored_dtype or ckpt.torch_dtype  # what the weights are, whatever config.json says
+    source = next((t for dtype, t in _EXACT_TYPE.items() if dtype in stored), None)
     return not (base_type == "F32" or source == base_type)
 
 

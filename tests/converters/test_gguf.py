@@ -10,7 +10,7 @@ from gguf import GGUFReader
 
 from converters.base import BuildContext
 from converters.checkpoint import load_checkpoint
-from converters.gguf.converter import GGUFConverter, inspect_gguf
+from converters.gguf.converter import GGUFConverter, converted_directly, inspect_gguf
 from converters.source import resolve_source
 from pipeline.config import Settings
 from pipeline.errors import TokenizerUnsupportedError, UnsupportedArchitectureError
@@ -74,6 +74,11 @@ def test_float_types_the_base_cannot_hold_exactly_are_converted_from_the_checkpo
     assert conv.build_inputs(ctx, GGUFSpec(type="F16")) == {}
     f16_file = next(iter(f16.files.values()))
     assert f16_file.read_bytes() == Path(prepared.paths["base"]).read_bytes()
+    # what the weights are decides, not what config.json says: fp32 weights under "float16" are still fp32
+    said_f16 = copy_checkpoint(demo_model, tmp_path / "said-f16")
+    edit_config(said_f16, torch_dtype="float16")
+    assert converted_directly(load_checkpoint(said_f16), "F16", GGUFSpec(type="F32"))
+    assert not converted_directly(load_checkpoint(said_f16), "F32", GGUFSpec(type="F16"))
 
 
 #: llama.cpp's library call, as the quantize worker made it before it ran the llama-quantize binary
