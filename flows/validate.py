@@ -274,6 +274,8 @@ def _quality_metrics(target: Target, settings: Settings, opts: ValidateOptions, 
     resolved = _source_for(target, settings)
     if target.version is not None:
         resolved.model_name = target.version.model
+    steps.check_window_fits(opts.spec, resolved.checkpoint)  # as convert checks them (flows/steps.py)
+    steps.check_eval_text(opts.spec, resolved.checkpoint)
     windows, ws_meta, _ = steps.ensure_window_set(settings, resolved, opts.spec)
     reference, _, _ = steps.ensure_reference(settings, resolved, windows, ws_meta, opts.spec)
     if target.version is not None:

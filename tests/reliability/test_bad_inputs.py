@@ -171,6 +171,13 @@ CONVERT_CASES: dict[str, tuple[Make, str, str]] = {
                             "InvalidCheckpointError", "missing"),
     "index-empty-map": (lambda t, d: (_copy(t, d) / "model.safetensors.index.json").write_text(
         '{"weight_map": {}}') and t / "m", "InvalidCheckpointError", "empty weight_map"),
+    # the checkpoint's own evaluation text, and a context shorter than the default window of 512
+    "eval-txt-not-utf8": (lambda t, d: (_copy(t, d) / "eval.txt").write_bytes("café".encode("latin-1")) and t / "m",
+                          "ConfigError", "is not UTF-8 text"),
+    "eval-txt-too-short": (lambda t, d: (_copy(t, d) / "eval.txt").write_text("too short") and t / "m",
+                           "InvalidSpecError", "fewer than one window"),
+    "context-below-window": (lambda t, d: edit_config(_copy(t, d), max_position_embeddings=256) or t / "m",
+                             "InvalidSpecError", "was made for: 256 positions"),
 }
 
 
@@ -199,6 +206,7 @@ USAGE_CASES: dict[str, tuple[list[str], str]] = {
     "bad-exl2-bpw": (["--exl2", "9.5"], "InvalidSpecError"),
     "bad-model-name": (["--gguf", "Q8_0", "--name", "../evil"], "InvalidSpecError"),
     "no-variants": ([], "InvalidSpecError"),
+    "window-beyond-context": (["--gguf", "Q8_0", "--window", "4096"], "InvalidSpecError"),
 }
 
 
@@ -254,6 +262,15 @@ def test_bad_artifact_for_validate(case: str, tmp_path: Path, demo_model: Path, 
     assert result.exit_code == 2, result.output
     assert error_type in result.output and needle in result.output, result.output
     assert registry_snapshot(snapshot_registry) == before
+
+
+def test_validate_refuses_windows_beyond_the_sources_context(tmp_path: Path, demo_model: Path,
+                                                             snapshot_registry: Path) -> None:
+    target = _gguf(snapshot_registry, tmp_path)
+    result = CliRunner().invoke(app, ["validate", str(target), "--source", str(demo_model), "--window", "4096",
+                                      "--registry", str(snapshot_registry)])
+    assert result.exit_code == 2, result.output
+    assert "InvalidSpecError" in result.output and "was made for: 2048 positions" in result.output, result.output
 
 
 def test_corpus_size() -> None:
