@@ -84,7 +84,7 @@ def converted_directly(ckpt: Checkpoint, base_type: str, spec: GGUFSpec) -> bool
     if spec.imatrix or spec.type not in GGUF_BASE_TYPES or spec.type == base_type:
         return False
     stored = ckpt.stored_dtype or ckpt.torch_dtype  # what the weights are, whatever config.json says
-    source = next((t for dtype, t in _EXACT_TYPE.items() if dtype in stored), None)
+    source = _EXACT_TYPE.get(stored.removeprefix("torch."))
     return not (base_type == "F32" or source == base_type)
 
 

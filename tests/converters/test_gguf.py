@@ -81,6 +81,16 @@ def test_float_types_the_base_cannot_hold_exactly_are_converted_from_the_checkpo
     assert not converted_directly(load_checkpoint(said_f16), "F32", GGUFSpec(type="F16"))
 
 
+def test_a_bf16_sources_float_types_come_from_its_bf16_base(real_model: Path) -> None:
+    """A BF16 base holds a bf16 source exactly, so F16 and F32 are made from it (one rounding, or none). Its
+    dtype's name contains "float16": the first version of the rule matched it as fp16 and converted F16 anew."""
+    ckpt = load_checkpoint(real_model)
+    assert ckpt.stored_dtype == "bfloat16"
+    for t in ("F16", "F32", "BF16"):
+        assert not converted_directly(ckpt, "BF16", GGUFSpec(type=t)), t
+    assert converted_directly(ckpt, "F16", GGUFSpec(type="BF16"))  # --gguf-base f16 does not hold it
+
+
 #: llama.cpp's library call, as the quantize worker made it before it ran the llama-quantize binary
 LIBRARY_QUANTIZE = """
 import ctypes, sys, llama_cpp
