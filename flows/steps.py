@@ -112,7 +112,7 @@ def resolve(plan: Plan, settings: Settings) -> Resolved:
     with stage(RESOLVE_PARTS["fetch" if fetch else "hash"], where):
         src = resolve_source(where, revision=plan.source.revision, cache_dir=settings.cache_dir,
                              allow_pickle=plan.source.allow_pickle, hub=hub_options(settings))
-    allowed = (Path(src.path).parent.parent,) if src.kind == SourceKind.HUB else ()
+    allowed = allowed_roots(src)
     with stage(RESOLVE_PARTS["check"], where):
         ckpt = load_checkpoint(Path(src.path), allow_pickle=plan.source.allow_pickle,
                                trust_remote_code=plan.source.trust_remote_code, allowed_roots=allowed,
@@ -126,6 +126,18 @@ def resolve(plan: Plan, settings: Settings) -> Resolved:
     with stage(RESOLVE_PARTS["scan"], where):
         scan_nonfinite(ckpt)
     return Resolved(source=src, model_name=name, checkpoint=ckpt)
+
+
+def allowed_roots(src: SourceRef) -> tuple[Path, ...]:
+    """Where a source's files may link to, besides its own folder: a hub revision's repository folder in the
+    cache, and likewise the ``blobs`` of a local folder that is a Hugging Face cache snapshot
+    (``…/models--OWNER--NAME/snapshots/REV``, the path ``hf download`` prints), whose files are links into it."""
+    path = Path(src.path)
+    if src.kind == SourceKind.HUB:
+        return (path.parent.parent,)
+    if path.parent.name == "snapshots" and (path.parent.parent / "blobs").is_dir():
+        return (path.parent.parent / "blobs",)
+    return ()
 
 
 def check_window_fits(spec: EvalSpec, ckpt: Checkpoint) -> None:

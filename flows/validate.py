@@ -231,8 +231,7 @@ def _source_for(target: Target, settings: Settings) -> steps.Resolved:
                 variants=(), eval=EvalSpec())
     src = steps.resolve_source(plan.source.source, revision=plan.source.revision, cache_dir=settings.cache_dir,
                                hub=steps.hub_options(settings))
-    allowed = (Path(src.path).parent.parent,) if src.kind.value == "hub" else ()
-    ckpt = steps.load_checkpoint(Path(src.path), allowed_roots=allowed)
+    ckpt = steps.load_checkpoint(Path(src.path), allowed_roots=steps.allowed_roots(src))
     resolved = steps.Resolved(source=src, model_name=steps.default_model_name(src), checkpoint=ckpt)
     target.notes["resolved"] = resolved
     return resolved

@@ -133,3 +133,36 @@ def test_a_missing_llama_cpp_is_said_before_the_source_is_hashed(tmp_path: Path,
     seen, err = _resolve_events(demo_model, settings, GGUFSpec(type="Q8_0"))
     assert isinstance(err, ToolchainMissingError) and "nowhere" in str(err), err
     assert seen == []
+
+
+def _hf_cache_snapshot(demo: Path, repo: Path) -> Path:
+    """``demo`` laid out as the Hugging Face cache keeps a download: files in ``blobs`` named by their hash, and
+    the snapshot folder of relative links to them (what ``hf download`` prints and users pass as a folder)."""
+    import hashlib
+
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in demo.iterdir():
+        if f.is_file():
+            blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+            shutil.copyfile(f, blob)
+            (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    return snapshot
+
+
+def test_a_hugging_face_cache_snapshot_folder_is_a_source_and_links_out_of_it_are_not(
+        tmp_path: Path, demo_model: Path, cache_dir: Path) -> None:
+    """Its files are links into the repository's blobs: refused before as escaping the folder. Links into the
+    blobs are taken; one to anywhere else still is refused."""
+    from pipeline.errors import UnsafeSourceError
+
+    settings = Settings(cache_dir=cache_dir, work_dir=tmp_path / "work")  # type: ignore[call-arg]
+    snapshot = _hf_cache_snapshot(demo_model, tmp_path / "hub" / "models--demo--tiny")
+    plan = Plan(source=SourceInput(source=str(snapshot)), variants=(GGUFSpec(type="Q8_0"),))
+    resolved = resolve(plan, settings)
+    assert resolved.checkpoint.path == snapshot and resolved.checkpoint.n_params == load_checkpoint(demo_model).n_params
+    (snapshot / "tokenizer.json").unlink()
+    (snapshot / "tokenizer.json").symlink_to(demo_model / "tokenizer.json")  # outside the blobs
+    with pytest.raises(UnsafeSourceError, match="outside the checkpoint folder"):
+        resolve(plan, settings)
