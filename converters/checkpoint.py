@@ -21,6 +21,7 @@ from typing import Any
 
 from pipeline.errors import (
     InvalidCheckpointError,
+    InvalidSpecError,
     SourceNotFoundError,
     UnsafeSourceError,
     UnsupportedArchitectureError,
@@ -94,6 +95,25 @@ class Checkpoint:
         if isinstance(factor, int | float) and factor > 1 and (not isinstance(original, int) or original >= length):
             return int(length * factor), f"{key} × rope factor {factor:g}"
         return length, key
+
+    def require_context(self, tokens: int, what: str, flag: str, *, note: str = "",
+                        default: int | None = None) -> None:
+        """Sequences of ``tokens`` (``what``, set by ``flag``, whose default is ``default``) must fit
+        :attr:`trained_context`: beyond it a model with learned positions (GPT-2) stops on an index error, and
+        a RoPE model runs on positions it never saw.
+
+        Raises:
+            InvalidSpecError: ``tokens`` is longer than the trained context.
+        """
+        found = self.trained_context
+        if found is None or tokens <= found[0]:
+            return
+        length, key = found
+        hint = f"pass {flag} {length} or less{note}"
+        if default is not None and default <= length:
+            hint += f", or leave {flag} at its default of {default}"
+        raise InvalidSpecError(f"{what} of {tokens} tokens are longer than {self.path.name} was made for: {length} "
+                               f"positions (config.json {key})", hint=hint)
 
     @property
     def torch_dtype(self) -> str:

@@ -141,23 +141,16 @@ def allowed_roots(src: SourceRef) -> tuple[Path, ...]:
 
 
 def check_window_fits(spec: EvalSpec, ckpt: Checkpoint) -> None:
-    """Evaluation windows must fit the context the model was made for (:attr:`Checkpoint.trained_context`):
+    """Evaluation windows must fit the context the model was made for (:meth:`Checkpoint.require_context`):
     beyond it perplexity and KLD measure extrapolation, not the quantization, and a model with learned positions
     (GPT-2, OPT) cannot run at all (transformers stops on an index error after the whole conversion).
 
     Raises:
         InvalidSpecError: the window is longer than the trained context.
     """
-    found = ckpt.trained_context
-    if found is None or spec.window <= found[0]:
-        return
-    length, key = found
-    default = EvalSpec.model_fields["window"].default
-    raise InvalidSpecError(
-        f"evaluation windows of {spec.window} tokens are longer than {ckpt.path.name} was made for: {length} "
-        f"positions (config.json {key})",
-        hint=f"pass --window {length} or less (llama-perplexity's -c: the same window)"
-             + (f", or leave --window at its default of {default}" if default <= length else ""))
+    ckpt.require_context(spec.window, "evaluation windows", "--window",
+                         note=" (llama-perplexity's -c: the same window)",
+                         default=EvalSpec.model_fields["window"].default)
 
 
 def check_eval_text(spec: EvalSpec, ckpt: Checkpoint) -> None:

@@ -124,12 +124,7 @@ class AWQConverter:
     def _check_seq_len(checkpoint: Checkpoint, spec: AWQSpec) -> None:
         """Calibration samples must fit the context the model was made for (a GPT-2 stops on an index error
         inside the calibration pass; a RoPE model would be calibrated on activations it never produces)."""
-        found = checkpoint.trained_context
-        if found is not None and spec.calibration_seq_len > found[0]:
-            raise InvalidSpecError(
-                f"AWQ calibration samples of {spec.calibration_seq_len} tokens are longer than "
-                f"{checkpoint.path.name} was made for: {found[0]} positions (config.json {found[1]})",
-                hint=f"pass --awq-calibration-seq-len {found[0]} or less")
+        checkpoint.require_context(spec.calibration_seq_len, "AWQ calibration samples", "--awq-calibration-seq-len")
 
     @staticmethod
     def _check_group_size(checkpoint: Checkpoint, spec: AWQSpec) -> None:
