@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -89,12 +89,26 @@ class Settings(BaseSettings):
     disk_headroom_mb: int = Field(default=64, ge=0,
                                   description="Free space kept in reserve when checking a write will fit.")
     convert_timeout_s: float = Field(default=24 * 3600, gt=0)
+    memory_budget: int | None = Field(
+        default=None, gt=0,
+        description="Memory a run may plan to use, in bytes or as 8G / 512M (binary units). Default: what the "
+                    "machine has available (MemAvailable, within any cgroup limit). The pre-flight compares every "
+                    "stage's estimated peak with it before any work (flows/preflight.py).")
     web_token: SecretStr | None = Field(
         default=None, description="Bearer token for the web API's write endpoints (set an alias, change a state). "
                                   "Unset: writes through the web API are disabled (403).")
     web_cache_entries: int = Field(
         default=256, ge=0, description="Rendered pages and JSON reads the web server keeps, keyed on the registry's "
                                        "generation stamp (0: build every response afresh).")
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            from pipeline.resources import parse_size
+
+            return parse_size(value)
+        return value
 
     @property
     def work_root(self) -> Path:

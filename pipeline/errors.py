@@ -290,6 +290,18 @@ class DiskFullError(QuantyardError, OSError):
         )
 
 
+class InsufficientMemoryError(QuantyardError, MemoryError):
+    """A piece of work whose ESTIMATED peak memory exceeds what this machine has available, refused before any
+    work (flows/preflight.py). ``needed`` and ``available`` in bytes."""
+
+    code = "insufficient_memory"
+    default_hint = "use a machine with more memory, or the options the message names"
+
+    def __init__(self, detail: str, *, needed: int, available: int, hint: str | None = None) -> None:
+        self.needed, self.available = needed, available
+        super().__init__(f"not enough memory, refused before any work: {detail}", hint=hint)
+
+
 class WorkInUseError(QuantyardError, RuntimeError):
     """``quantyard work prune`` found the work folder leased by a running job (pipeline/workdir.py)."""
 
