@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 
 from converters.checkpoint import Checkpoint
 from pipeline.config import Settings
+from pipeline.footprint import Need
 from pipeline.specs import QuantFormat, SourceRef
 from pipeline.texts import text_sha256
 
@@ -74,6 +75,17 @@ class BuiltVariant:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """ESTIMATES of what a format's conversion asks of the machine, before it runs (pipeline/footprint.py): the
+    peak memory of each kind of work it does, the bytes of shared files it will write to the work folder that
+    are not there yet (a GGUF base), and each variant's expected size by variant name."""
+
+    needs: tuple[Need, ...] = ()
+    work_bytes: int = 0
+    variant_bytes: dict[str, int] = field(default_factory=dict)
+
+
 class Converter(Protocol):
     format: ClassVar[QuantFormat]
 
@@ -83,6 +95,11 @@ class Converter(Protocol):
 
     def check(self, checkpoint: Checkpoint, specs: list[Any]) -> None:
         """Raise a typed error now if any of ``specs`` cannot be built from ``checkpoint``."""
+        ...
+
+    def footprint(self, checkpoint: Checkpoint, source: SourceRef, specs: list[Any]) -> Footprint:
+        """ESTIMATES of the memory, work-folder disk and variant sizes converting ``specs`` takes (the pre-flight,
+        flows/preflight.py, compares them with the machine before any work)."""
         ...
 
     def prepare(self, ctx: BuildContext, specs: list[Any]) -> Prepared: ...

@@ -22,10 +22,12 @@ from typing import Any
 from pipeline.errors import (
     InvalidCheckpointError,
     InvalidSpecError,
+    QuantyardError,
     SourceNotFoundError,
     UnsafeSourceError,
     UnsupportedArchitectureError,
 )
+from pipeline.footprint import ModelFacts
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
@@ -147,6 +149,44 @@ class Checkpoint:
         """Parameters as transformers counts them (``num_parameters()``): every stored tensor the model loads,
         a tied weight once; buffers saved beside the weights are not parameters (:attr:`unused`)."""
         return sum(self.n_elements_of(name) for name in self.tensors if name not in self.unused)
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What the memory and disk estimates need (pipeline/footprint.py), from config.json and the headers."""
+        return model_facts(self.config, {n: t.shape for n, t in self.tensors.items() if n not in self.unused},
+                           self.size_bytes, self.stored_dtype or self.torch_dtype)
+
+
+def model_facts(config: dict[str, Any], shapes: dict[str, tuple[int, ...]], stored_bytes: int,
+                dtype: str) -> ModelFacts:
+    """:class:`ModelFacts` of a checkpoint; pickled weights (no headers read) are counted from their bytes."""
+    name = next((d for d in ("bfloat16", "float16", "float32") if d in dtype), "float32")
+    if not shapes:
+        per = 4 if name == "float32" else 2
+        text = config.get("text_config")
+        cfg: dict[str, Any] = text if isinstance(text, dict) else config
+        width = int(cfg.get("hidden_size") or cfg.get("n_embd") or 1)
+        n = stored_bytes // per
+        shapes = {"weights": (n,)} if not cfg.get("vocab_size") else {
+            "embed_tokens": (int(cfg["vocab_size"]), width), "weights": (max(0, n - int(cfg["vocab_size"]) * width),)}
+    return ModelFacts.from_config(config, shapes, stored_bytes, name)
+
+
+def read_facts(path: Path) -> ModelFacts | None:
+    """:class:`ModelFacts` of a checkpoint folder from config.json and its safetensors headers alone (milliseconds:
+    no checks, no transformers import); None where the folder is not a safetensors checkpoint."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        files = sorted(path.glob("*.safetensors"))
+        tensors: dict[str, TensorInfo] = {}
+        for f in files:
+            tensors.update(read_safetensors_header(f))
+    except (OSError, ValueError, QuantyardError):
+        return None
+    if not files or not isinstance(config, dict):
+        return None
+    ckpt = Checkpoint(path=path, config=config, tensors=tensors, weight_files=files)
+    return ckpt.facts
 
 
 def _read_json(path: Path, what: str) -> Any:

@@ -19,8 +19,10 @@ from evaluators.protocol import window_sizes
 from evaluators.speed import SHAPE_KEYS, resolve_shape
 from pipeline.config import Settings
 from pipeline.errors import EngineError
+from pipeline.footprint import ModelFacts, Need
 from pipeline.plan import EvalSpec
 from pipeline.proc import child_env, failure_log_dir, keep_failed, run_logged
+from pipeline.progress import runner_line
 from pipeline.results import EvalResult
 from pipeline.specs import Engine, QuantFormat
 
@@ -88,7 +90,7 @@ def run_runner(cmd: RunnerCommand, request: dict[str, Any], out_dir: Path, timeo
     env = child_env(cmd.env)
     started = time.perf_counter()
     res = run_logged([cmd.python, "-m", cmd.module, str(req_path)], log_dir=out_dir, name="runner",
-                     timeout_s=timeout_s, env=env, keep=keep_logs)
+                     timeout_s=timeout_s, env=env, keep=keep_logs, progress=runner_line)
     result_path = out_dir / "result.json"
     if res.ok and not result_path.is_file() and keep_logs is not None:
         res = keep_failed(res, out_dir, "runner", keep_logs)
@@ -179,4 +181,10 @@ class Evaluator(Protocol):
 
     def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
         """Load the model and run one short window (validate's loadability check)."""
+        ...
+
+    def memory_need(self, facts: ModelFacts, variant_bytes: int, variant: dict[str, Any], spec: EvalSpec,
+                    settings: Settings) -> Need:
+        """ESTIMATE of the host memory one evaluation of a variant of ``variant_bytes`` (its spec ``variant``)
+        holds at its peak (pipeline/footprint.py); the pre-flight compares it with the machine."""
         ...

@@ -1,6 +1,11 @@
 """The reference: the unquantized model run over the window set, by a recorded choice of engine.
 
-* ``transformers`` (the default): the checkpoint itself, fp32 on CPU (bf16/fp16 on a GPU when asked; on
+The engine is chosen before any work (:func:`choose_reference`): ``auto``, the default, takes transformers in
+float32 where the source fits this machine's memory comfortably, and the unquantized GGUF on llama.cpp where it
+does not (a 7.4 B source in float32 needs about 30 GB: the kernel's OOM killer stopped it at 22.5 GB on a 23 GiB
+machine, after the conversions). A named engine that cannot fit is refused then, saying what would.
+
+* ``transformers``: the checkpoint itself, fp32 on CPU (bf16/fp16 on a GPU when asked; on
   ``auto``, spread over every visible GPU by accelerate's ``device_map="auto"``). Right for the demo and for
   models that fit a machine in fp32; it is not how llama.cpp's tables are made.
 * ``llama.cpp``: the unquantized GGUF (F32, F16 or BF16, converted once per source by the GGUF converter and
@@ -36,9 +41,11 @@ from evaluators.base import RunnerCommand, RunnerOutput, load_arrays, run_engine
 from evaluators.metrics import perplexity
 from evaluators.windows import WindowSet
 from pipeline.config import Settings
-from pipeline.errors import DiskFullError, EngineError, InvalidSpecError
+from pipeline.errors import DiskFullError, EngineError, InsufficientMemoryError, InvalidSpecError
+from pipeline.footprint import COMFORT, ModelFacts, Need, llama_cpp_run, torch_forward, vllm_run
 from pipeline.llama_cpp import LLAMA_CPP_VERSION
-from pipeline.plan import REFERENCE_GGUF_TYPES, EvalSpec
+from pipeline.plan import REFERENCE_GGUF_TYPES, EvalSpec, reference_defaults
+from pipeline.resources import Memory, gib
 from pipeline.specs import Engine
 
 RUNNER = "evaluators.transformers.runner"
@@ -62,12 +69,19 @@ def reference_versions(engine: str, device: str = "cpu") -> str:
     return f"transformers {metadata.version('transformers')}, torch {metadata.version('torch')}"
 
 
+def _require_settled(spec: EvalSpec) -> None:
+    if not spec.settled:
+        raise InvalidSpecError("the reference engine is still 'auto': it is chosen with the source, before any work",
+                               hint="call evaluators.reference.choose_reference (the flows do, in their pre-flight)")
+
+
 def reference_identity(window_set_id: str, spec: EvalSpec) -> dict[str, Any]:
     """What makes a reference's numbers: window set, engine, dtype (for llama.cpp, the GGUF type; ``auto``:
     the source's own 16-bit type, as the GGUF base), engine versions, K and storage; for vLLM also whether
     it ran on CPU or GPU (different builds and kernels). The transformers reference's device is not part
     of it: fp32 on CPU and on GPU are the same computation up to kernel rounding, recorded in the
-    reference's ``hardware``."""
+    reference's ``hardware``. Raises InvalidSpecError for an engine not chosen yet (``auto``)."""
+    _require_settled(spec)
     out = {"windows": window_set_id, "top_k": spec.top_k, "dtype": spec.reference_dtype,
            "engine": spec.reference_engine,
            "versions": reference_versions(spec.reference_engine, spec.reference_device),
@@ -81,6 +95,96 @@ def reference_key(window_set_id: str, spec: EvalSpec) -> str:
     """Registry key of a reference file: the sha256 of :func:`reference_identity`."""
     payload = json.dumps(reference_identity(window_set_id, spec), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def reference_need(spec: EvalSpec, facts: ModelFacts, base_bytes_per_param: float = 2.0) -> Need:
+    """ESTIMATE of what the reference of a settled ``spec`` holds in this machine's memory at its peak
+    (pipeline/footprint.py): transformers the whole model in its dtype (nothing on the host beyond its start on a
+    GPU), llama.cpp a memory-mapped float GGUF (its own buffers only), vLLM its weights and KV cache."""
+    window = spec.window
+    if spec.reference_engine == "llama.cpp":
+        ggml = gguf_reference_type(spec)
+        per = {"F32": 4.0, "F16": 2.0, "BF16": 2.0}.get(ggml, base_bytes_per_param)
+        return llama_cpp_run(facts, int(facts.n_params * per), False, window,
+                             f"the reference: llama.cpp on the {'GGUF base' if ggml == 'auto' else ggml + ' GGUF'}")
+    if spec.reference_engine == "vllm":
+        on_cpu = spec.reference_device == "cpu"
+        weights = facts.n_params * {"float32": 4, "bfloat16": 2, "float16": 2}[str(spec.reference_dtype)]
+        return vllm_run(facts, weights if on_cpu else 0, 1 << 30 if on_cpu else 0, window,
+                        f"the reference: vLLM, {spec.reference_dtype}, on {spec.reference_device}")
+    need = torch_forward(facts, str(spec.reference_dtype), window,
+                         f"the reference: transformers, {spec.reference_dtype}, on {spec.reference_device}")
+    if str(spec.reference_device) != "cpu":  # the weights go to the GPU; the host holds the interpreter
+        return Need.of(need.what, *(p for p in need.parts if p[0] == "interpreter"))
+    return need
+
+
+def choose_reference(spec: EvalSpec, facts: ModelFacts, memory: Memory, *, gguf_base: str = "auto",
+                     gpu_free: int | None = None) -> EvalSpec:
+    """``spec`` with its reference engine chosen (``auto``) or checked (a named one), before any work.
+
+    ``auto``: bfloat16 transformers on the GPU where a CUDA GPU with ``gpu_free`` bytes holds the model in bfloat16
+    comfortably; else transformers float32 on the CPU where its ESTIMATED peak is at most :data:`COMFORT` of the
+    available memory; else llama.cpp on the unquantized GGUF base (``gguf_base``: its type), memory-mapped, as
+    ``llama-perplexity --kl-divergence-base``. The reason, with the numbers, is in ``reference_reason``.
+    A named engine whose estimate exceeds the available memory is refused.
+
+    Raises:
+        InsufficientMemoryError: nothing fits (auto), or the named engine does not; the message says what it
+            needs, what is available and what would fit.
+    """
+    if spec.settled:
+        need = reference_need(spec, facts)
+        if need.memory > memory.available:
+            raise _refusal(spec, need, memory, facts)
+        return spec
+    fp32 = spec.model_copy(update={"reference_engine": "transformers", "reference_dtype": "float32",
+                                   "reference_device": "cpu"})
+    if gpu_free is not None and facts.n_params * 2 <= gpu_free * COMFORT:
+        chosen = spec.model_copy(update={"reference_engine": "transformers", "reference_dtype": "bfloat16",
+                                         "reference_device": "cuda"})
+        return chosen.model_copy(update={"reference_reason": (
+            f"auto: transformers bfloat16 on the GPU: {facts.n_params * 2 / 1024**3:.1f} GiB of weights, "
+            f"{gib(gpu_free)} free on it")})
+    need32 = reference_need(fp32, facts)
+    if need32.memory <= memory.available * COMFORT:
+        return fp32.model_copy(update={"reference_reason": (
+            f"auto: transformers float32 on the CPU fits: it needs ~{gib(need32.memory)} (ESTIMATE), "
+            f"{memory.describe()}")})
+    dtype, device = reference_defaults("llama.cpp", None, None, gguf_base)
+    gguf = spec.model_copy(update={"reference_engine": "llama.cpp", "reference_dtype": dtype,
+                                   "reference_device": device})
+    need = reference_need(gguf, facts)
+    if need.memory > memory.available:
+        raise _refusal(gguf, need, memory, facts, also=need32)
+    mapped = facts.n_params * 2
+    paging = (f"; the {gib(mapped)} file is larger than the machine's memory: llama.cpp re-reads it from disk "
+              "for every window (slow)" if mapped > memory.total else "")
+    return gguf.model_copy(update={"reference_reason": (
+        f"auto: llama.cpp on the unquantized GGUF base, memory-mapped (needs ~{gib(need.memory)} of its own, "
+        f"ESTIMATE), because transformers float32 would need ~{gib(need32.memory)} (ESTIMATE) and "
+        f"{memory.describe()}: more than {COMFORT:.0%} of it{paging}")})
+
+
+def _refusal(spec: EvalSpec, need: Need, memory: Memory, facts: ModelFacts,
+             also: Need | None = None) -> InsufficientMemoryError:
+    """The error of a reference that cannot fit, naming what would."""
+    options = []
+    for engine in ("llama.cpp", "transformers"):
+        if engine == spec.reference_engine:
+            continue
+        dtype, device = reference_defaults(engine, None, None)
+        other = reference_need(spec.model_copy(update={"reference_engine": engine, "reference_dtype": dtype,
+                                                       "reference_device": device}), facts)
+        if other.memory <= memory.available:
+            options.append(f"--reference-engine {engine} (~{gib(other.memory)}, ESTIMATE)")
+    if spec.window > 128 and need.share("activations", "logits", "compute buffer", "KV cache") > 0.25:
+        options.append("a shorter --window (the activations and logits scale with it)")
+    options += ["a GPU worker (quantyard orchestrate with a GPU work pool, --reference-device cuda)",
+                "a machine with more memory, or raise QUANTYARD_MEMORY_BUDGET if it was set lower"]
+    tried = f"; {also.describe()}" if also is not None else ""
+    return InsufficientMemoryError(f"{need.describe()}{tried}; {memory.describe()}", needed=need.memory,
+                                   available=memory.available, hint="options: " + "; ".join(options))
 
 
 def gguf_reference_type(spec: EvalSpec) -> str:
@@ -138,6 +242,7 @@ def run_reference(checkpoint: Path, windows: Path, out_dir: Path, spec: EvalSpec
     prepared) with ``env`` (the toolchain's library path); ``engine_commit`` (its llama.cpp commit) is named
     in the engine version, as a variant's is.
     """
+    _require_settled(spec)
     store_full = spec.kld == "exact"
     if spec.reference_engine == "llama.cpp":
         if model_file is None:

@@ -19,9 +19,10 @@ from prefect.cache_policies import NONE
 
 from flows.graph import Graph, StageOutcome, StageRequest, StageStatus, build_graph, publish, report, settle
 from flows.ledger import find_stage, pin_source
+from flows.preflight import settle_reference, source_facts
 from flows.stages import STAGE_FLOWS, deployment_name, stage_settings
 from pipeline.config import Settings
-from pipeline.errors import ConfigError, QuantyardError
+from pipeline.errors import ConfigError, InvalidSpecError, QuantyardError
 from pipeline.plan import Plan
 from pipeline.recipe import Placement
 from pipeline.results import ConvertReport
@@ -95,6 +96,14 @@ def orchestrate_flow(plan: Plan, registry: str | None = None, blobs: str | None 
     reg = open_registry(settings)  # a bad registry location fails before any work is dispatched
     identity, pinned, source = pin_source(plan.source, settings)
     pinned_plan = plan.model_copy(update={"source": pinned})
+    if plan.eval.enabled and not plan.eval.settled:
+        # chosen here, from the source's shape and this machine's memory (the machine that orchestrates: say
+        # --reference-engine where the reference's work pool is another kind of machine)
+        facts = source_facts(source, settings, download=True)
+        if facts is None:
+            raise InvalidSpecError(f"cannot read the shape of {plan.source.source} to choose its reference engine",
+                                   hint="name it: --reference-engine transformers | llama.cpp | vllm")
+        pinned_plan = settle_reference(pinned_plan, facts, settings)
     graph: Graph = build_graph(pinned_plan, identity, placement or Placement(),
                                {"registry": settings.registry, "blobs": settings.blobs},
                                nonce=uuid.uuid4().hex if plan.force else None)

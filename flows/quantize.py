@@ -24,15 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import psutil  # type: ignore[import-untyped]
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from evaluators.engines import engine_info
 from flows import steps
 from flows.graph import Graph, StageOutcome, StageRequest, build_graph, decide, publish, report
 from flows.ledger import StageRecord, pinned_input
+from flows.preflight import add_preflight, disk_free_by_filesystem, disk_used
 from flows.schedule import EvalSchedule, plan_evaluations
-from flows.stages import BODIES, InProcess, run_stage
+from flows.stages import BODIES, InProcess, progress_to_log, run_stage
 from pipeline import workdir
 from pipeline.config import Settings
 from pipeline.errors import DiskFullError, QuantyardError
@@ -50,8 +51,9 @@ resolve_task = task(name="resolve-source", cache_policy=NONE)(steps.resolve)
 
 @task(name="stage", task_run_name="{request.name}", cache_policy=NONE)
 def stage_here(request: StageRequest, here: InProcess) -> StageRecord:
-    """One stage of the graph, in this process."""
-    return run_stage(request, None, BODIES[request.stage], here)
+    """One stage of the graph, in this process; where its tools are goes to its Prefect log (progress_to_log)."""
+    with progress_to_log(get_run_logger(), request.stage, request.variant or request.fmt or ""):
+        return run_stage(request, None, BODIES[request.stage], here)
 
 
 def _run(reg: Registry, graph: Graph, name: str, outcomes: dict[str, StageOutcome], here: InProcess,
@@ -149,6 +151,7 @@ def convert_flow(plan: Plan, settings: Settings) -> ConvertReport:
 def _convert(plan: Plan, settings: Settings) -> ConvertReport:
     t0 = time.perf_counter()
     reg = open_registry(settings)  # a bad registry location fails before any work is done
+    free_before = disk_free_by_filesystem(settings)
     steps.sweep_stale(settings)
     plan = steps.resolve_backends(plan, settings)
     # resolved and validated once, with every format's checks, before any stage runs (fail fast); from the
@@ -161,6 +164,9 @@ def _convert(plan: Plan, settings: Settings) -> ConvertReport:
         with stage("resolve", plan.source.source):
             here = InProcess(settings=settings, resolved=resolve_task(plan, settings))
     source = here.resolved.source
+    asked = plan
+    if here.resolved.preflight is not None:  # the reference chosen, refused formats left out (flows/preflight.py)
+        plan = here.resolved.preflight.plan
     plan = plan.model_copy(update={"source": pinned_input(plan.source, source)})
     graph = build_graph(plan, source.identity, Placement(), {"registry": settings.registry, "blobs": settings.blobs},
                         nonce=uuid.uuid4().hex if plan.force else None)
@@ -184,6 +190,8 @@ def _convert(plan: Plan, settings: Settings) -> ConvertReport:
     if prepare_failures and all(outcomes[n].status == "failed" for n in prepares):
         raise prepare_failures[0]  # nothing of this run could be built: the first format's error, as for one
     out = report(plan, source, graph, outcomes, reg)
+    add_preflight(out, asked, here.resolved.preflight)
+    out.disk_used = disk_used(free_before, settings)
     out.eval_schedule = schedule.as_dict() if schedule is not None else None
     out.wall_s = time.perf_counter() - t0
     publish(out)

@@ -25,6 +25,7 @@ import time
 from flows import embedded, steps
 from flows.graph import StageOutcome, build_graph, decide, report
 from flows.ledger import pin_source
+from flows.preflight import settle_reference, source_facts
 from pipeline.config import Settings
 from pipeline.errors import QuantyardError
 from pipeline.plan import Plan
@@ -51,6 +52,11 @@ def settled_report(plan: Plan, settings: Settings) -> ConvertReport | None:
         plan = steps.resolve_backends(plan, settings)
         identity, pinned, source = pin_source(plan.source, settings)
         plan = plan.model_copy(update={"source": pinned})
+        if plan.eval.enabled and not plan.eval.settled:  # the reference is chosen as the run's pre-flight chooses
+            facts = source_facts(source, settings)
+            if facts is None:
+                return None
+            plan = settle_reference(plan, facts, settings)
         graph = build_graph(plan, identity, Placement(), {"registry": settings.registry, "blobs": settings.blobs})
         outcomes: dict[str, StageOutcome] = {}
         for name in graph.nodes:

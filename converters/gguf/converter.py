@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from converters.base import BuildContext, BuiltVariant, Prepared
+from converters.base import BuildContext, BuiltVariant, Footprint, Prepared
 from converters.checkpoint import Checkpoint
 from converters.gguf.header import GGUFHeader, read_header
 from converters.gguf.imatrix import ImatrixRequest, ensure_imatrix
@@ -49,11 +50,13 @@ from pipeline.errors import (
     TokenizerUnsupportedError,
     UnsupportedArchitectureError,
 )
+from pipeline.footprint import ModelFacts, gguf_conversion, gguf_quantize, llama_cpp_run, quantized_bytes
 from pipeline.fs import atomic_path, write_atomic
 from pipeline.llama_cpp import LlamaCppToolchain, llama_cpp_toolchain
 from pipeline.plan import GGUFOptions
 from pipeline.proc import failure_log_dir, run_logged
-from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, GGUFType, QuantFormat
+from pipeline.progress import convert_line, quantize_line
+from pipeline.specs import GGUF_BASE_TYPES, GGUFSpec, GGUFType, QuantFormat, SourceRef
 from pipeline.texts import file_text, text_sha256
 
 WORKER = "converters.gguf.workers.quantize"
@@ -202,6 +205,25 @@ class GGUFConverter:
             raise InvalidSpecError(f"{', '.join(blind)} need(s) an importance matrix",
                                    hint="request them with --imatrix (optionally --calibration FILE)")
 
+    def footprint(self, checkpoint: Checkpoint, source: SourceRef, specs: list[Any]) -> Footprint:
+        """ESTIMATES: the base conversion, llama-quantize and (for i1- types) llama-imatrix; the base (and any
+        float type converted from the checkpoint) in the work folder where it is not cached yet; each type's size
+        (:func:`estimated_bytes`)."""
+        facts = checkpoint.facts
+        base_type = choose_base_type(checkpoint, self.base_type)
+        ctx = BuildContext(checkpoint=checkpoint, source=source, model_name=checkpoint.path.name,
+                           settings=self.settings)
+        folders = {base_type, *(s.type for s in specs if converted_directly(checkpoint, base_type, s))}
+        work = sum(estimated_bytes(facts, t) for t in folders if not (self._base_dir(ctx, t) / "ok").is_file())
+        needs = [gguf_conversion(facts)]
+        if any(s.type not in GGUF_BASE_TYPES for s in specs):
+            needs.append(gguf_quantize(facts))
+        if any(s.imatrix for s in specs):
+            needs.append(llama_cpp_run(facts, estimated_bytes(facts, base_type), False,
+                                       self.options.calibration.context, "llama-imatrix on the base"))
+        return Footprint(needs=tuple(needs), work_bytes=work,
+                         variant_bytes={s.name: estimated_bytes(facts, s.type) for s in specs})
+
     # -- base ------------------------------------------------------------------------------------
 
     def _base_dir(self, ctx: BuildContext, base_type: str) -> Path:
@@ -336,7 +358,8 @@ class GGUFConverter:
             cmd = ([self.python, "-m", CONVERT_WORKER, str(tools.converter), json.dumps(given), *args] if given
                    else [self.python, str(tools.converter), *args])
             res = run_logged(cmd, log_dir=dest.parent, name="convert", timeout_s=ctx.settings.convert_timeout_s,
-                             env=tools.converter_env(), keep=failure_log_dir(ctx.settings.logs_root))
+                             env=tools.converter_env(), keep=failure_log_dir(ctx.settings.logs_root),
+                             progress=convert_line)
             if not res.ok:
                 raise _conversion_error(res.stderr_tail, res.describe(), res.log, ctx.checkpoint)
             self._check_loads(ctx, tmp, dest.parent, name=dest.name)
@@ -477,13 +500,39 @@ class GGUFConverter:
                        "bin_dir": str(tools.bin_dir)}
             res = run_logged([self.python, "-m", WORKER], log_dir=out.parent, name=f"quantize-{spec.name}",
                              timeout_s=ctx.settings.convert_timeout_s, env=tools.env(),
-                             stdin_text=json.dumps(request), keep=failure_log_dir(ctx.settings.logs_root))
+                             stdin_text=json.dumps(request), keep=failure_log_dir(ctx.settings.logs_root),
+                             progress=quantize_line)
             if not res.ok:
                 if res.disk_full:
                     raise DiskFullError(out.parent, needed=need)
                 raise ConversionError(f"llama.cpp quantization to {spec.type} {res.describe()}",
                                       stderr_tail=res.stderr_tail,
                                       hint=f"see the log {res.log}")
+
+
+def type_bits(gguf_type: str) -> float:
+    """Bits per weight of a llama.cpp file type's main tensor type (gguf-py's GGML_QUANT_SIZES: Q4_K_M → Q4_K, 4.5),
+    8.5 where the name does not say it."""
+    import gguf
+
+    name = gguf_type.upper()
+    if name in ("F32", "F16", "BF16"):
+        return {"F32": 32.0, "F16": 16.0, "BF16": 16.0}[name]
+    for candidate in (name, re.sub(r"_(S|M|L|XL)$", "", name)):
+        member = getattr(gguf.GGMLQuantizationType, candidate, None)
+        if member is not None:
+            block, size = gguf.GGML_QUANT_SIZES[member]
+            return size * 8 / block
+    return 8.5
+
+
+def estimated_bytes(facts: ModelFacts, gguf_type: str) -> int:
+    """ESTIMATE of a GGUF's size: the body at its main type's bits (+10 % for the mixes' larger tensors), the
+    token embedding and output head at up to Q8_0's 8.5 bits (the mixes keep them wider), float types exact."""
+    bits = type_bits(gguf_type)
+    if bits >= 16:
+        return int(facts.n_params * bits / 8) + (1 << 20)
+    return quantized_bytes(facts, bits * 1.1, max(bits, 8.5)) + (1 << 20)
 
 
 def converter_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, quality_request, run_engine, score
 from pipeline.config import Settings
+from pipeline.footprint import ModelFacts, Need, torch_forward
 from pipeline.plan import EvalSpec
 from pipeline.specs import Engine, QuantFormat
 
@@ -28,6 +29,11 @@ class EXL2ReferenceEvaluator:
 
     def unavailable_reason(self, settings: Settings) -> str | None:
         return None  # torch and transformers are part of the core environment
+
+    def memory_need(self, facts: ModelFacts, variant_bytes: int, variant: dict[str, Any], spec: EvalSpec,
+                    settings: Settings) -> Need:
+        """The model held whole in float32 on the CPU (pipeline/footprint.py)."""
+        return torch_forward(facts, "float32", spec.window, "an EXL2 reference-codec evaluation (float32)")
 
     def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
         """Dequantize every layer of the EXL2 folder ``model`` with the codec and score one short window

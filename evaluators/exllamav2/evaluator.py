@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, quality_request, run_engine, score, speed_request
 from pipeline import exl2_env
 from pipeline.config import Settings
+from pipeline.footprint import TORCH_PROCESS, ModelFacts, Need, logits_bytes
 from pipeline.plan import EvalSpec
 from pipeline.specs import Engine, QuantFormat
 
@@ -24,6 +25,12 @@ class ExLlamaV2Evaluator:
 
     def unavailable_reason(self, settings: Settings) -> str | None:
         return exl2_env.unavailable_reason(settings)
+
+    def memory_need(self, facts: ModelFacts, variant_bytes: int, variant: dict[str, Any], spec: EvalSpec,
+                    settings: Settings) -> Need:
+        """ExLlamaV2 runs on a CUDA GPU: the host holds the interpreter and the captured logits."""
+        return Need.of("an evaluation on ExLlamaV2 (CUDA: weights on the GPU)", ("logits", logits_bytes(facts,
+                       spec.window)), ("interpreter", TORCH_PROCESS))
 
     def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
         """Load the EXL2 folder ``model`` in ExLlamaV2 on CUDA and score one short window.

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, quality_request, run_engine, score, speed_request
 from pipeline.config import Settings
+from pipeline.footprint import ModelFacts, Need, llama_cpp_run
 from pipeline.llama_cpp import LlamaCppToolchain, llama_cpp_toolchain
 from pipeline.llama_cpp import unavailable_reason as llama_cpp_unavailable
 from pipeline.plan import EvalSpec
@@ -23,6 +24,19 @@ class LlamaCppEvaluator:
 
     def unavailable_reason(self, settings: Settings) -> str | None:
         return llama_cpp_unavailable(settings)
+
+    def memory_need(self, facts: ModelFacts, variant_bytes: int, variant: dict[str, Any], spec: EvalSpec,
+                    settings: Settings) -> Need:
+        """The GGUF memory-mapped; a quantized type's repacked weights, the KV cache of the longest sequence run
+        (a window, or the speed run's parallel sequences), the compute buffer and logits (footprint.llama_cpp_run)."""
+        quantized = str(variant.get("type", "")) not in ("F32", "F16", "BF16")
+        context = spec.window
+        shape = speed_request(spec, ACCELERATOR)
+        if shape is not None:
+            n = max((int(p) for p in shape.get("parallel", ()) or (1,)), default=1)
+            context = max(context, shape["prompt_tokens"] + shape["gen_tokens"],
+                          n * (shape["parallel_prompt_tokens"] + shape["parallel_gen_tokens"]))
+        return llama_cpp_run(facts, variant_bytes, quantized, spec.window, "an evaluation on llama.cpp", context)
 
     def _command(self, settings: Settings, tools: LlamaCppToolchain) -> RunnerCommand:
         return RunnerCommand(engine=self.engine, python=settings.core_python, module=RUNNER,

@@ -15,6 +15,7 @@ from evaluators.base import EvalOutcome, RunnerCommand, probe_windows, quality_r
 from pipeline import envs
 from pipeline.config import Settings
 from pipeline.errors import ToolchainMissingError
+from pipeline.footprint import ModelFacts, Need, torch_forward
 from pipeline.plan import EvalSpec
 from pipeline.specs import Engine, QuantFormat
 
@@ -40,6 +41,11 @@ class TransformersCheckEvaluator:
         if spec.get("backend", "llmcompressor") != "llmcompressor":
             return "transformers in the awq environment cannot load the AutoAWQ GEMM layout"
         return None
+
+    def memory_need(self, facts: ModelFacts, variant_bytes: int, variant: dict[str, Any], spec: EvalSpec,
+                    settings: Settings) -> Need:
+        """The model held whole in float32 on the CPU (pipeline/footprint.py)."""
+        return torch_forward(facts, "float32", spec.window, "the transformers cross-check (float32, decompressed)")
 
     def probe(self, model: Path, *, out_dir: Path, settings: Settings) -> dict[str, Any]:
         """Load the folder with transformers in the awq environment and score one short window."""

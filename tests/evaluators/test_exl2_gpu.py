@@ -35,8 +35,9 @@ def test_exllamav2_evaluates_exl2_and_agrees_with_the_reference_engine(
                           max_windows=16)
     windows = tmp_path / "windows.npz"
     ws.save(windows)
-    spec_eval = EvalSpec(max_windows=16, speed=SpeedSpec(repeats=2, gen_tokens=64, parallel=(1, 8),
-                                                         parallel_prompt_tokens=128, parallel_gen_tokens=32))
+    spec_eval = EvalSpec(max_windows=16, reference_engine="transformers",
+                         speed=SpeedSpec(repeats=2, gen_tokens=64, parallel=(1, 8), parallel_prompt_tokens=128,
+                                         parallel_gen_tokens=32))
     ref, _ = run_reference(gpu_demo, windows, tmp_path / "ref", spec_eval, cfg)
     assert ref.arrays is not None
     real = ExLlamaV2Evaluator().evaluate(folder, windows=windows, window_set_id=ws.id, reference=ref.arrays,

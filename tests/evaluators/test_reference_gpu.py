@@ -69,7 +69,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
                           max_windows=8)
     ws.save(base / "windows.npz")
     settings = Settings(work_dir=base / "work", threads=4)
-    cpu, _ = run_reference(src, base / "windows.npz", base / "cpu", EvalSpec(window=128), settings)
+    cpu, _ = run_reference(src, base / "windows.npz", base / "cpu",
+                           EvalSpec(window=128, reference_engine="transformers"), settings)
     return Setup(src, base / "windows.npz", settings, _arrays(cpu), base)
 
 
@@ -80,7 +81,7 @@ def test_transformers_reference_on_gpus_agrees_with_the_cpu(setup: Setup, device
     from evaluators.reference import run_reference
     from pipeline.plan import EvalSpec
 
-    spec = EvalSpec(window=128, reference_dtype=dtype, reference_device=device)
+    spec = EvalSpec(window=128, reference_engine="transformers", reference_dtype=dtype, reference_device=device)
     out, summary = run_reference(setup.src, setup.windows, setup.base / device, spec, setup.settings)
     # device_map="auto" over every visible GPU, in their order (all of them, or fewer for a model this small)
     expected = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if device == "auto" else ["cuda:0"]

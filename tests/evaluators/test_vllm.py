@@ -315,7 +315,8 @@ def wide(demo_model: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFac
     windows = WindowSet(ids=alias_ids(cut.ids, WIDE_VOCAB["vocab_size"]), score_start=cut.score_start,
                         window=cut.window, stride=cut.stride, add_bos=cut.add_bos, text_sha256=cut.text_sha256)
     windows.save(base / "windows.npz")
-    eval_spec = EvalSpec(window=WIDE_WINDOW, max_windows=WIDE_WINDOWS, top_k=8, speed=SpeedSpec(enabled=False))
+    eval_spec = EvalSpec(window=WIDE_WINDOW, max_windows=WIDE_WINDOWS, top_k=8, speed=SpeedSpec(enabled=False),
+                         reference_engine="transformers")
     ref, _ = run_reference(model, base / "windows.npz", base / "reference", eval_spec, settings)
     assert ref.arrays is not None
     return {"model": model, "awq": awq, "windows": windows, "windows_path": base / "windows.npz",

