@@ -53,8 +53,17 @@ second the steal was 50.7 s on llama.cpp's way and 8.6 s on Quantyard's
 ``--repeats N`` runs both ways N times, alternating which goes first (llama.cpp in the first repeat), and ends
 with each pair's ratio and steal and the median ratio: on a noisy VM one pair does not measure the overhead.
 
-Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real|PATH] [--text FILE] [--windows 64] [--threads N]
-[--reference llama.cpp|transformers] [--eval-jobs 1] [--repeats 1] [--out FILE]
+Jobs (``--job``): ``classic`` is the job above; ``defaults`` is the one a user runs without options: the
+source's own 16-bit base (BF16 for a bf16 source) converted by hand, Q8_0 and Q4_K_M, ``llama-perplexity
+--kl-divergence-base`` on that base, and ``quantyard convert`` with its defaults but the evaluation's shape (its
+reference engine chosen for this machine: on a 24 GB machine an 8 B source gets the same memory-mapped base).
+Each step's peak memory is sampled for both ways (pipeline/resources.py: the step's own processes, RssAnon +
+RssShmem, so a memory-mapped model file does not count; and the machine's memory in use), and the disk each way's
+files take at its end (``du``). ``--model 8b`` is a SYNTHETIC checkpoint of Llama-3-8B's shape (bench/synthetic.py:
+random weights, a real tokenizer, built once): its times, memory and disk are real, its PPL and KLD mean nothing.
+
+Usage: python bench/pipeline_vs_llamacpp.py [--model demo|real|8b|PATH] [--job classic|defaults] [--text FILE]
+[--windows 64] [--threads N] [--reference llama.cpp|transformers] [--eval-jobs 1] [--repeats 1] [--out FILE]
 (``--model`` may be given more than once; without it demo and real run, demo first.)
 """
 
@@ -66,6 +75,7 @@ import math
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,11 +90,34 @@ from pipeline.config import Settings
 from pipeline.cpu import cpu_flags
 from pipeline.llama_cpp import LlamaCppToolchain, llama_cpp_toolchain
 from pipeline.progress import RESOLVE_PARTS as PARTS
+from pipeline.resources import Sampler, Usage, gib
 from pipeline.results import kld_of
 
 REPO = Path(__file__).resolve().parents[1]
-QUANTS = ("Q8_0", "Q4_K_M", "Q2_K")
 CTX = 512
+
+
+@dataclass(frozen=True)
+class Job:
+    """What both ways do. ``base``: the GGUF base's type by hand and Quantyard's ``--gguf-base`` (``auto``: the
+    source's own 16-bit type, Quantyard's default: BF16 for a bf16 source, else F16); ``reference``: Quantyard's
+    ``--reference-engine`` (None: its default, ``auto``, which chooses from the machine's memory)."""
+
+    name: str
+    base: str
+    quants: tuple[str, ...]
+    reference: str | None
+    what: str
+
+
+JOBS = {
+    "classic": Job("classic", "f16", ("Q8_0", "Q4_K_M", "Q2_K"), "llama.cpp",
+                   "an F16 base, Q8_0, Q4_K_M and Q2_K, Quantyard's reference named (--reference)"),
+    "defaults": Job("defaults", "auto", ("Q8_0", "Q4_K_M"), None,
+                    "the source's own 16-bit base, Q8_0 and Q4_K_M, Quantyard with its defaults (the reference "
+                    "engine chosen for this machine)"),
+}
+QUANTS = JOBS["classic"].quants
 SCORE_FROM = CTX // 2 + 1
 #: The child: times the CLI's progress events (the source hashing runs outside the stage graph, so only its
 #: event says how long it took), then runs the very CLI entry point ``python -m pipeline.cli`` runs.
@@ -120,6 +153,11 @@ class Way:
     #: Quantyard: the parts of resolving the source (pipeline/progress.py RESOLVE_PARTS: hash, check, scan), seconds
     resolve_parts: dict[str, float] = field(default_factory=dict)
     pin_s: float = 0.0  # Quantyard: of those, the seconds before its resolve event (the ledger check's hashing)
+    #: Each step's own peak memory and the machine's memory in use at its peak (pipeline/resources.py Usage;
+    #: Quantyard's from its report's stages), and the disk the way's files take at its end (``du``)
+    peaks: dict[str, Usage | None] = field(default_factory=dict)
+    disk_bytes: int | None = None
+    reference: str = ""  # Quantyard: the reference engine it ran, and why (an automatic choice)
 
 
 @dataclass
@@ -165,6 +203,8 @@ def measured_load(run: Callable[[], Way]) -> Way:
 
 
 BUILT = ("demo", "real")
+#: ``--model`` names of SYNTHETIC checkpoints (bench/synthetic.py) and their shapes: random weights, labelled so.
+SYNTHETIC = {"8b": "llama3-8b"}
 
 
 def checkpoint(name: str, cfg: Settings) -> Path:
@@ -178,6 +218,14 @@ def checkpoint(name: str, cfg: Settings) -> Path:
         from pipeline.demo_model import cached_demo_model
 
         return cached_demo_model(cfg.cache_dir)
+    if name in SYNTHETIC:  # bench/synthetic.py: a published shape, random weights (SYNTHETIC), built once
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import synthetic
+
+        real = checkpoint("real", cfg)
+        shape = SYNTHETIC[name]
+        return synthetic.build(synthetic.default_folder(cfg.cache_dir, shape, "bfloat16", 0, 0.02, real), shape,
+                               "bfloat16", real)
     return checkpoint_folder(name)
 
 
@@ -217,37 +265,61 @@ def eval_text_file(ckpt: Path, text: Path | None, work: Path) -> tuple[Path, str
     return out, f"Quantyard's built-in held-out text ({origin}; the checkpoint has no eval.txt)"
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> float:
-    """Seconds one tool process took. Raises RuntimeError when it fails."""
+def du_bytes(folder: Path) -> int:
+    """Bytes the files under ``folder`` take on disk, a file hard-linked twice counted once (``du -s``)."""
+    out = subprocess.run(["du", "-s", "--block-size=1", str(folder)], capture_output=True, text=True)
+    return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout else 0
+
+
+def _timed(cmd: list[str], env: dict[str, str], way: Way | None = None, step: str = "") -> float:
+    """Seconds one tool process took (its peak memory into ``way.peaks[step]``). Raises RuntimeError when it
+    fails."""
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    with Sampler() as sampler:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    if way is not None:
+        way.peaks[step] = sampler.usage
     if res.returncode != 0:
         raise RuntimeError(f"{cmd[0]} exited {res.returncode}: {(res.stdout + res.stderr)[-2000:]}")
     return wall
 
 
+def base_type(job: Job, ckpt: Path) -> str:
+    """The base's GGUF type: the job's, or (``auto``) the one Quantyard's default picks for this source."""
+    if job.base != "auto":
+        return job.base.upper()
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return "BF16" if "bfloat16" in str(cfg.get("torch_dtype") or cfg.get("dtype") or "") else "F16"
+
+
 def by_hand(ckpt: Path, text: Path, tools: LlamaCppToolchain, python: str, work: Path, windows: int,
-            threads: int) -> Way:
-    """llama.cpp's tools, one after the other, as a user would type them."""
+            threads: int, job: Job = JOBS["classic"]) -> Way:
+    """llama.cpp's tools, one after the other, as a user would type them; each step's own peak memory sampled."""
     way = Way()
     t0 = time.perf_counter()
-    base = work / "model-F16.gguf"
-    convert = [python, str(tools.converter), str(ckpt), "--outfile", str(base), "--outtype", "f16"]
-    way.steps["convert"] = _timed(convert, tools.converter_env())
-    for q in QUANTS:
+    btype = base_type(job, ckpt)
+    base = work / f"model-{btype}.gguf"
+    convert = [python, str(tools.converter), str(ckpt), "--outfile", str(base), "--outtype", btype.lower()]
+    way.steps["convert"] = _timed(convert, tools.converter_env(), way, "convert")
+    for q in job.quants:
         quantize = [str(tools.exe("llama-quantize")), str(base), str(work / f"model-{q}.gguf"), q, str(threads)]
-        way.steps[f"quantize:{q}"] = _timed(quantize, tools.env())
+        way.steps[f"quantize:{q}"] = _timed(quantize, tools.env(), way, f"quantize:{q}")
     kld_base = work / "base.kld"
-    way.steps["reference"] = save_base(tools, base, text, kld_base, ctx=CTX, chunks=windows, threads=threads)
+    with Sampler() as sampler:
+        way.steps["reference"] = save_base(tools, base, text, kld_base, ctx=CTX, chunks=windows, threads=threads)
+    way.peaks["reference"] = sampler.usage
     lost = 0.0
-    for q in QUANTS:
+    for q in job.quants:
         t1 = time.perf_counter()
-        out: LlamaKLD = kl_divergence(tools, work / f"model-{q}.gguf", kld_base, threads=threads)
+        with Sampler() as sampler:
+            out: LlamaKLD = kl_divergence(tools, work / f"model-{q}.gguf", kld_base, threads=threads)
+        way.peaks[f"evaluate:{q}"] = sampler.usage
         lost += time.perf_counter() - t1 - out.wall_s
         way.steps[f"evaluate:{q}"] = out.wall_s
         way.variants[q] = {"ppl": out.ppl, "kld": out.kld_mean, "top1_pct": out.same_top_pct, "ref_ppl": out.ppl_base}
     way.total_s = sum(way.steps.values())
+    way.disk_bytes = du_bytes(work)
     way.notes.append(
         f"llama.cpp: {time.perf_counter() - t0:.1f} s of wall time, of which {lost:.1f} s reran "
         "llama-perplexity after its log lost its last lines (not counted)"
@@ -269,17 +341,17 @@ def fresh_env(cfg: Settings, tmp: Path) -> dict[str, str]:
     return env
 
 
-def quantyard(ckpt: Path, text: Path, cfg: Settings, work: Path, windows: int, threads: int, reference: str,
-              eval_jobs: int = 1) -> Way:
+def quantyard(ckpt: Path, text: Path, cfg: Settings, work: Path, windows: int, threads: int, reference: str | None,
+              eval_jobs: int = 1, job: Job = JOBS["classic"]) -> Way:
     """``quantyard convert`` in a subprocess on a fresh registry, cache and work dir (``--eval-jobs``: how many
-    evaluations it may run at once, flows/schedule.py).
+    evaluations it may run at once, flows/schedule.py; ``reference`` None: its default).
     Raises RuntimeError when it fails or a stage did not run."""
     events = work / "events.jsonl"
     opts = {
         "--name": "bench",
-        "--gguf": ",".join(QUANTS),
-        "--gguf-base": "f16",
-        "--reference-engine": reference,
+        "--gguf": ",".join(job.quants),
+        "--gguf-base": job.base,
+        **({"--reference-engine": reference} if reference else {}),
         "--eval-text": str(text),
         "--window": str(CTX),
         "--stride": str(CTX),
@@ -305,6 +377,13 @@ def quantyard(ckpt: Path, text: Path, cfg: Settings, work: Path, windows: int, t
         if entry["status"] in ("failed", "skipped", "reused"):
             raise RuntimeError(f"stage {entry['stage']} {entry['status']} in a fresh run: {entry.get('error')}")
         way.steps[entry["stage"]] = float(entry["dispatch_s"] or 0.0)
+        if entry.get("usage"):
+            u = entry["usage"]
+            way.peaks[entry["stage"]] = Usage(u["wall_s"], u["peak_process_bytes"], u["peak_in_use_bytes"],
+                                              u.get("start_in_use_bytes", 0))
+    way.disk_bytes = du_bytes(work)
+    ref = report.get("reference") or {}
+    way.reference = f"{ref.get('engine')} {ref.get('dtype')}" + (f" ({ref['reason']})" if ref.get("reason") else "")
     evals = [e for e in report["stages"] if e["stage"].startswith("evaluate:")]
     if evals:
         way.eval_wall_s = (max(e["start_s"] + e["dispatch_s"] for e in evals) - min(e["start_s"] for e in evals))
@@ -381,13 +460,14 @@ def _sum(steps: dict[str, float], *prefixes: str) -> float:
     return sum(v for k, v in steps.items() if k.startswith(prefixes))
 
 
-REFERENCE_HOLDS = {"llama.cpp": "window set + F16 GGUF log-probs on the llama.cpp runner, stored",
+REFERENCE_HOLDS = {"llama.cpp": "window set + unquantized GGUF log-probs on the llama.cpp runner, stored",
                    "transformers": "window set + transformers fp32 log-probs, stored"}
 
 
-def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
+def step_rows(hand: Way, qy: Way, reference: str, job: Job = JOBS["classic"]) -> list[Row]:
     """(step, llama.cpp s, quantyard s, what Quantyard's step holds), in the order of the job."""
     h, q = hand.steps, qy.steps
+    quants = job.quants
     rows: list[Row] = [
         (
             "resolve (hash the source)",
@@ -396,21 +476,22 @@ def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
             ", ".join(f"{RESOLVE_PARTS[k]} {v:.1f} s" for k, v in qy.resolve_parts.items())
             or "content hash, checkpoint load, format checks",
         ),
-        ("F16 conversion", h["convert"], _sum(q, "prepare:"), "convert_hf_to_gguf.py + reading the file back"),
+        ("base conversion", h["convert"], _sum(q, "prepare:"), "convert_hf_to_gguf.py + reading the file back"),
     ]
     built = "llama-quantize (thin worker) + header check + tokenizer parity (once per tokenizer digest)"
-    rows += [(f"  quantize {t}", h[f"quantize:{t}"], q[f"build:{t}"], built) for t in QUANTS]
+    rows += [(f"  quantize {t}", h[f"quantize:{t}"], q[f"build:{t}"], built) for t in quants]
     rows += [
-        ("3 quantizations", _sum(h, "quantize:"), sum(q[f"build:{t}"] for t in QUANTS), "(build stages)"),
+        (f"{len(quants)} quantizations", _sum(h, "quantize:"), sum(q[f"build:{t}"] for t in quants),
+         "(build stages)"),
     ]
     if "build:F16" in q:
         rows.append(("F16 variant (copy of the base, checks)", None, q["build:F16"], "Quantyard only"))
     n_registered = sum(1 for k in q if k.startswith("register:"))
     rows += [
         (f"register {n_registered} variants (blob store + DB)", None, _sum(q, "register:"), "Quantyard only"),
-        ("reference", h["reference"], q["reference"], REFERENCE_HOLDS[reference]),
+        ("reference", h["reference"], q["reference"], REFERENCE_HOLDS.get(reference, reference)),
     ]
-    rows += [(f"  evaluate {t}", h[f"evaluate:{t}"], _sum(q, f"evaluate:{t}:"), "runner, exact KLD") for t in QUANTS]
+    rows += [(f"  evaluate {t}", h[f"evaluate:{t}"], _sum(q, f"evaluate:{t}:"), "runner, exact KLD") for t in quants]
     schedule = qy.schedule or {}
     together = int(schedule.get("at_once", 1) or 1) > 1
     if together:  # several at once: the stages' wall time, not the sum of their own times
@@ -419,8 +500,8 @@ def step_rows(hand: Way, qy: Way, reference: str) -> list[Row]:
                      _sum(h, "evaluate:"), qy.eval_wall_s or 0.0,
                      "first start to last end; the rows above are each evaluation's own time"))
     else:
-        rows.append(("3 evaluations", _sum(h, "evaluate:"), sum(_sum(q, f"evaluate:{t}:") for t in QUANTS),
-                     "(evaluate stages, one after another)"))
+        rows.append((f"{len(quants)} evaluations", _sum(h, "evaluate:"),
+                     sum(_sum(q, f"evaluate:{t}:") for t in quants), "(evaluate stages, one after another)"))
     if any(k.startswith("evaluate:F16:") for k in q):
         rows.append(("F16 evaluation (its KLD vs the reference)", None, _sum(q, "evaluate:F16:"), "Quantyard only"))
     shown = ("hash", "resolve", "prepare:", "build:", "register:", "reference", "evaluate:")
@@ -444,19 +525,52 @@ def fmt_num(v: float | None, spec: str) -> str:
     return "—" if v is None else format(v, spec)
 
 
-def tables(model: str, windows: int, hand: Way, qy: Way, reference: str) -> str:
-    """The step table and the variant table of one model, in Markdown."""
+#: Each step-table row's steps, by hand and in Quantyard, for its peak-memory cells (resources.Usage).
+def _peak_keys(step: str, quants: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if step == "base conversion":
+        return ("convert",), ("prepare:gguf",)
+    if step == "reference":
+        return ("reference",), ("reference",)
+    for t in quants:
+        if step == f"  quantize {t}":
+            return (f"quantize:{t}",), (f"build:{t}",)
+        if step == f"  evaluate {t}":
+            return (f"evaluate:{t}",), tuple(f"evaluate:{t}:{e}" for e in ("llama.cpp",))
+    return (), ()
+
+
+def _peak(way: Way, keys: tuple[str, ...]) -> str:
+    found = [u for k in keys if (u := way.peaks.get(k)) is not None]
+    if not found:
+        return "—"
+    return f"{gib(max(u.peak_process_bytes for u in found))} / {gib(max(u.peak_in_use_bytes for u in found))}"
+
+
+def tables(model: str, windows: int, hand: Way, qy: Way, reference: str, job: Job = JOBS["classic"]) -> str:
+    """The step table and the variant table of one model, in Markdown. Peak memory: the step's own processes
+    (RssAnon + RssShmem, pipeline/resources.py: a memory-mapped model file is not counted) / the machine's memory
+    in use (total − available) at its highest while the step ran."""
     out = [
-        f"### {model}: {windows} windows × {CTX} tokens, positions {SCORE_FROM}..{CTX - 1} scored",
+        f"### {model}: {windows} windows × {CTX} tokens, positions {SCORE_FROM}..{CTX - 1} scored; job "
+        f"`{job.name}`: {job.what}",
         "",
-        "| step | llama.cpp s | quantyard s | what Quantyard's step holds |",
-        "|---|---:|---:|---|",
+        "| step | llama.cpp s | quantyard s | peak memory llama.cpp: own / in use | quantyard: own / in use "
+        "| what Quantyard's step holds |",
+        "|---|---:|---:|---:|---:|---|",
     ]
-    rows = step_rows(hand, qy, reference)
-    out += [f"| {s} | {fmt_num(h, '.1f')} | {fmt_num(q, '.1f')} | {what} |" for s, h, q, what in rows]
+    rows = step_rows(hand, qy, reference, job)
+    for s_, h, q, what in rows:
+        hk, qk = _peak_keys(s_, job.quants)
+        out.append(f"| {s_} | {fmt_num(h, '.1f')} | {fmt_num(q, '.1f')} | {_peak(hand, hk)} | {_peak(qy, qk)} "
+                   f"| {what} |")
     ratio = qy.total_s / hand.total_s
+    hand_peak = max((u.peak_in_use_bytes for u in hand.peaks.values() if u), default=None)
+    qy_peak = max((u.peak_in_use_bytes for u in qy.peaks.values() if u), default=None)
     out += [
-        f"| **whole command** | **{hand.total_s:.1f}** | **{qy.total_s:.1f} = {ratio:.2f}×** | |",
+        f"| **whole command** | **{hand.total_s:.1f}** | **{qy.total_s:.1f} = {ratio:.2f}×** | in use ≤ "
+        f"{gib(hand_peak)} | in use ≤ {gib(qy_peak)} | |",
+        f"| disk at the end (`du`) | | | {gib(hand.disk_bytes)} | {gib(qy.disk_bytes)} | llama.cpp: its files; "
+        "Quantyard: registry, blob store, work and cache folders |",
         "",
         "| variant | PPL llama.cpp | PPL quantyard | KLD llama.cpp | KLD quantyard | top-1 % llama.cpp "
         "| top-1 % quantyard |",
@@ -464,9 +578,10 @@ def tables(model: str, windows: int, hand: Way, qy: Way, reference: str) -> str:
     ]
     ref_hand = next(iter(hand.variants.values()))["ref_ppl"]
     ref_qy = next(iter(qy.variants.values()))["ref_ppl"]
-    theirs = "F16 GGUF on its llama.cpp runner" if reference == "llama.cpp" else "transformers fp32"
+    btype = job.base.upper() if job.base != "auto" else "the base"
+    theirs = qy.reference or ("F16 GGUF on its llama.cpp runner" if reference == "llama.cpp" else "transformers fp32")
     out.append(
-        f"| reference (llama.cpp: F16 GGUF, from its stored 16-bit log-probs; quantyard: {theirs}) "
+        f"| reference (llama.cpp: {btype} GGUF, from its stored 16-bit log-probs; quantyard: {theirs}) "
         f"| {fmt_num(ref_hand, '.4f')} | {fmt_num(ref_qy, '.4f')} | | | | |"
     )
     for name, q in qy.variants.items():
@@ -541,20 +656,26 @@ def repeats_summary(pairs: list[Pair]) -> str:
 
 
 def one_pair(name: str, ckpt: Path, text: Path, tools: LlamaCppToolchain, cfg: Settings, root: Path, windows: int,
-             threads: int, reference: str, eval_jobs: int, quantyard_first: bool) -> tuple[Way, Way]:
-    """Both ways once, in ``root``, in the order asked; (llama.cpp's, Quantyard's)."""
+             threads: int, reference: str | None, eval_jobs: int, quantyard_first: bool,
+             job: Job = JOBS["classic"]) -> tuple[Way, Way]:
+    """Both ways once, in ``root``, in the order asked; (llama.cpp's, Quantyard's). Each way's files are removed
+    once it is measured (an 8 B job's two ways would not fit most disks side by side)."""
     (root / "llama").mkdir()
     (root / "quantyard").mkdir()
 
     def hand_way() -> Way:
         print(f"[{name}] llama.cpp by hand ...", file=sys.stderr, flush=True)
-        return measured_load(lambda: by_hand(ckpt, text, tools, cfg.core_python, root / "llama", windows,
-                                                   threads))
+        way = measured_load(lambda: by_hand(ckpt, text, tools, cfg.core_python, root / "llama", windows,
+                                            threads, job))
+        shutil.rmtree(root / "llama", ignore_errors=True)
+        return way
 
     def qy_way() -> Way:
         print(f"[{name}] quantyard convert ...", file=sys.stderr, flush=True)
-        return measured_load(lambda: quantyard(ckpt, text, cfg, root / "quantyard", windows, threads,
-                                               reference, eval_jobs))
+        way = measured_load(lambda: quantyard(ckpt, text, cfg, root / "quantyard", windows, threads,
+                                              reference, eval_jobs, job))
+        shutil.rmtree(root / "quantyard", ignore_errors=True)
+        return way
 
     if quantyard_first:
         qy = qy_way()
@@ -563,8 +684,8 @@ def one_pair(name: str, ckpt: Path, text: Path, tools: LlamaCppToolchain, cfg: S
     return hand, qy_way()
 
 
-def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: str, eval_jobs: int = 1,
-              repeats: int = 1, text: Path | None = None) -> str:
+def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: str | None, eval_jobs: int = 1,
+              repeats: int = 1, text: Path | None = None, job: Job = JOBS["classic"]) -> str:
     """Both ways on one checkpoint (``name``: demo, real or a folder), ``repeats`` times
     (:func:`first_is_quantyard`), each repeat in a temporary folder of its own, on one text
     (:func:`eval_text_file`); the tables of every repeat, and with several the summary (:func:`repeats_summary`)."""
@@ -578,13 +699,13 @@ def run_model(name: str, cfg: Settings, windows: int, threads: int, reference: s
         for r in range(repeats):
             with tempfile.TemporaryDirectory(dir=cfg.work_root, prefix="bench-vs-llamacpp-") as tmp:
                 hand, qy = one_pair(name, ckpt, text_file, tools, cfg, Path(tmp), windows, threads, reference,
-                                    eval_jobs, first_is_quantyard(r))
+                                    eval_jobs, first_is_quantyard(r), job)
             pairs.append(Pair(hand, qy, first_is_quantyard(r)))
-            label = f"{name} ({ckpt}), text: {origin}, Quantyard's reference: {reference}"
+            label = f"{name} ({ckpt}), text: {origin}, Quantyard's reference: {qy.reference or reference}"
             if repeats > 1:
                 label += (f"; repeat {r + 1} of {repeats}, "
                           f"{'Quantyard' if first_is_quantyard(r) else 'llama.cpp'} first")
-            parts.append(tables(label, windows, hand, qy, reference))
+            parts.append(tables(label, windows, hand, qy, str(reference or qy.reference.split()[0]), job))
             if repeats > 1:  # each pair as it ends (main prints them all at the end)
                 print(parts[-1] + "\n", file=sys.stderr, flush=True)
     if repeats > 1:
@@ -601,8 +722,11 @@ def main() -> None:
                     help="the text both ways score (default: the checkpoint's eval.txt, else Quantyard's built-in "
                          "held-out text)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--reference", choices=("llama.cpp", "transformers"), default="llama.cpp",
-                    help="Quantyard's reference engine (default llama.cpp: the F16 GGUF, as by hand)")
+    ap.add_argument("--reference", choices=("llama.cpp", "transformers"), default=None,
+                    help="Quantyard's reference engine in the classic job (default llama.cpp: the F16 GGUF, as by "
+                         "hand); the defaults job leaves it to Quantyard's automatic choice")
+    ap.add_argument("--job", choices=sorted(JOBS), default="classic",
+                    help="; ".join(f"{j.name}: {j.what}" for j in JOBS.values()))
     ap.add_argument("--eval-jobs", type=int, default=1,
                     help="Quantyard's --eval-jobs (default 1: one after another, as by hand; 0: all at once)")
     ap.add_argument("--out", type=Path, default=None, help="also write the tables, with a header, here")
@@ -613,7 +737,7 @@ def main() -> None:
         raise SystemExit(f"--repeats: expected 1 or more, got {args.repeats}")
     models = args.model or list(BUILT)
     for name in models:  # a mistyped folder fails now, not after the models before it have run
-        if name not in BUILT:
+        if name not in BUILT and name not in SYNTHETIC:
             checkpoint_folder(name)
     if args.text is not None:
         existing_text(args.text)
@@ -621,9 +745,11 @@ def main() -> None:
     cfg = Settings(threads=args.threads)
     parts = [header(sys.argv, load, args.threads)]
     print(parts[0] + "\n", flush=True)
+    job = JOBS[args.job]
+    reference = args.reference or job.reference
     for name in models:
-        parts.append(run_model(name, cfg, args.windows, args.threads, args.reference, args.eval_jobs, args.repeats,
-                               args.text))
+        parts.append(run_model(name, cfg, args.windows, args.threads, reference, args.eval_jobs, args.repeats,
+                               args.text, job))
         print(parts[-1] + "\n", flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

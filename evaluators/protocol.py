@@ -308,6 +308,13 @@ def _log_rest(lp: np.ndarray) -> np.ndarray:
 KLD_MODES = ("full", "topk")
 
 
+def report_progress(unit: str, done: int, total: int, tokens: int | None = None) -> None:
+    """Say on stderr where the runner is (``quantyard-progress windows 3/8 tokens=1536``): the orchestrating
+    process reads it while the runner works (pipeline/progress.py ``runner_line``) and shows it."""
+    extra = f" tokens={tokens}" if tokens is not None else ""
+    print(f"quantyard-progress {unit} {done}/{total}{extra}", file=sys.stderr, flush=True)
+
+
 class Collector:
     """Accumulates per-position outputs from logits (or log-probs), window by window.
 

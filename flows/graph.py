@@ -406,7 +406,7 @@ def report(plan: Plan, source: SourceRef, graph: Graph, outcomes: dict[str, Stag
         record = outcome.record
         entry = outcome.model_dump(mode="json", exclude={"record"})
         entry.update(work_s=record.work_s if record else None, wall_s=record.wall_s if record else None,
-                     deps=list(graph.nodes[name].deps))
+                     usage=record.usage if record else None, deps=list(graph.nodes[name].deps))
         out.stages.append(entry)
         out.events.extend(_events(graph, name, outcome))
         if outcome.status == "ran":

@@ -52,6 +52,9 @@ class StageRecord(BaseModel):
     host: str = Field(default_factory=socket.gethostname)
     flow_run_id: str | None = None
     slot: str | None = None  # the concurrency limit the stage held, if any
+    #: What the stage used (pipeline/resources.py Usage.as_dict: seconds, the peak of its own memory and of the
+    #: machine's memory in use); None in records written before it was measured.
+    usage: dict[str, Any] | None = None
     quantyard_version: str = __version__
     finished_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
 

@@ -53,6 +53,8 @@ from pipeline.config import Settings
 from pipeline.errors import ConfigError, StageError, ToolchainMissingError
 from pipeline.formats import format_info
 from pipeline.plan import Plan
+from pipeline.progress import Event, Throttle, describe, listening, stage
+from pipeline.resources import Sampler
 from pipeline.specs import SourceRef
 from registry import open_registry
 from registry.blobs import StoredBlob
@@ -157,6 +159,21 @@ class StageContext:
 Body = Callable[[StageContext], tuple[StageOutputs, Who]]
 
 
+@contextmanager
+def progress_to_log(logger: logging.Logger | logging.LoggerAdapter[Any], stage: str, detail: str) -> Iterator[None]:
+    """Progress of this stage's tools (tensor i of N, window i of N: pipeline/progress.py) as lines of its run log,
+    each tenth of the way or each minute."""
+    clock = Throttle()
+    clock.due(Event(stage, detail, "start"))
+
+    def on_event(ev: Event) -> None:
+        if (ev.stage, ev.detail) == (stage, detail) and clock.due(ev):
+            logger.info("%s %s: %s", stage, detail, describe(ev, clock.elapsed(ev)))
+
+    with listening(on_event):
+        yield
+
+
 def stage_settings(request: StageRequest) -> Settings:
     """This worker's Settings (its environment), pointed at the run's registry and blob store."""
     overrides = {k: v for k, v in (("registry", request.registry), ("blobs", request.blobs)) if v}
@@ -172,6 +189,18 @@ def _slot(name: str | None) -> Iterator[None]:
     from prefect.concurrency.sync import concurrency
 
     with concurrency(name, occupy=1, strict=False):
+        yield
+
+
+@contextmanager
+def _announced(request: StageRequest, logger: logging.Logger | logging.LoggerAdapter[Any], own: bool) -> Iterator[None]:
+    """On a worker (``own``), the stage's progress events and their lines in its run log; the embedded executor
+    announces its stages itself (flows/quantize.py)."""
+    if not own:
+        yield
+        return
+    detail = request.variant or request.fmt or ""
+    with stage(request.stage, detail), progress_to_log(logger, request.stage, detail):
         yield
 
 
@@ -195,11 +224,13 @@ def run_stage(request: StageRequest, slot: str | None, body: Body, here: InProce
     held = slot if request.stage in HEAVY_STAGES else None
     with workdir.lease(settings.work_root), steps.scratch_dir(settings) as tmp, _slot(held):
         ctx = StageContext(request=request, settings=settings, reg=reg, scratch=Path(tmp), watch=watch, here=here)
-        with here.flushed_beside(reg, logger) if here is not None and beside else nullcontext():
+        with (here.flushed_beside(reg, logger) if here is not None and beside else nullcontext(),
+              _announced(request, logger, here is None), Sampler() as sampler):
             outputs, (model, architecture, source) = body(ctx)
         record = StageRecord(stage=request.name, key=request.key, pool=request.pool,
                              outputs=outputs.model_dump(mode="json"), work_s=watch.total,
-                             wall_s=time.perf_counter() - t0, flow_run_id=_flow_run_id(), slot=held)
+                             wall_s=time.perf_counter() - t0, flow_run_id=_flow_run_id(), slot=held,
+                             usage=sampler.usage.as_dict() if sampler.usage is not None else None)
         if here is not None and request.stage in SOURCE_STAGES:
             here.pending.append((request, record, (model, architecture, source)))
             return record
@@ -323,14 +354,17 @@ def _build_body(ctx: StageContext) -> tuple[BuildOutputs, Who]:
     steps.sweep_stale(ctx.settings)
     prepared = _prepared_here(ctx, resolved)
     with steps.scratch_dir(ctx.settings, "staging") as staging:
-        with ctx.watch:
+        with ctx.watch, Sampler() as sampler:
             built = steps.build_variant(req.fmt, plan, resolved, prepared, spec, ctx.settings, Path(staging))
         files = {}
         for name, path in built.files.items():
             blob = ctx.reg.blobs.put_file(path)
             files[name] = Blob(sha256=blob.sha256, size=blob.size)
-    outputs = BuildOutputs(build_key=key, files=files, lineage=steps.lineage(plan, resolved, spec, built, key),
-                           events=list(built.events), info=built.info, **concrete)
+    lineage = steps.lineage(plan, resolved, spec, built, key)
+    if sampler.usage is not None:  # what building it took: what a user plans the next one by
+        lineage["usage"] = sampler.usage.as_dict()
+    outputs = BuildOutputs(build_key=key, files=files, lineage=lineage, events=list(built.events), info=built.info,
+                           **concrete)
     return outputs, _who(resolved)
 
 

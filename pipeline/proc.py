@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pipeline.progress import LineWatch, Parser
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TAIL_BYTES = 6000
 _PR_SET_PDEATHSIG = 1
@@ -141,13 +143,16 @@ def keep_failed(res: ProcResult, log_dir: Path, name: str, keep: Path) -> ProcRe
 
 def run_logged(cmd: Sequence[str], *, log_dir: Path, name: str, timeout_s: float,
                env: Mapping[str, str] | None = None, stdin_text: str | None = None,
-               cwd: Path | None = None, keep: Path | None = None) -> ProcResult:
+               cwd: Path | None = None, keep: Path | None = None, progress: Parser | None = None) -> ProcResult:
     """Run ``cmd`` to completion with stdout/stderr in ``log_dir/name.{out,err}``; if it fails and
-    ``keep`` is given, the two files are copied there too and ``log`` names the kept copy."""
+    ``keep`` is given, the two files are copied there too and ``log`` names the kept copy. ``progress``: a
+    parser of the tool's progress lines (pipeline/progress.py), read from both files while it runs and emitted
+    as progress of the innermost open stage."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path, err_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
     started = time.perf_counter()
     timed_out = False
+    watch = LineWatch(progress) if progress is not None else None
     with out_path.open("wb") as out, err_path.open("wb") as err:
         proc = subprocess.Popen(
             list(cmd), stdout=out, stderr=err, env=dict(env) if env is not None else None,
@@ -155,7 +160,10 @@ def run_logged(cmd: Sequence[str], *, log_dir: Path, name: str, timeout_s: float
             cwd=cwd, start_new_session=True, preexec_fn=die_with_parent,
         )
         try:
-            proc.communicate(stdin_text.encode() if stdin_text is not None else None, timeout=timeout_s)
+            if watch is None:
+                proc.communicate(stdin_text.encode() if stdin_text is not None else None, timeout=timeout_s)
+            else:
+                _wait_watching(proc, stdin_text, timeout_s, watch, str(out_path), str(err_path))
         except subprocess.TimeoutExpired:
             timed_out = True
             _kill_group(proc)
@@ -165,6 +173,28 @@ def run_logged(cmd: Sequence[str], *, log_dir: Path, name: str, timeout_s: float
     res = ProcResult(returncode=proc.returncode, stdout_tail=_tail(out_path), stderr_tail=_tail(err_path),
                      wall_s=time.perf_counter() - started, timed_out=timed_out, log=err_path)
     return res if res.ok or keep is None else keep_failed(res, log_dir, name, keep)
+
+
+def _wait_watching(proc: subprocess.Popen[bytes], stdin_text: str | None, timeout_s: float, watch: LineWatch,
+                   *paths: str) -> None:
+    """Wait for ``proc`` as ``communicate`` does, reading its logs for progress every half second.
+
+    Raises subprocess.TimeoutExpired after ``timeout_s``."""
+    if proc.stdin is not None:
+        with contextlib.suppress(BrokenPipeError):  # a child that exits without reading its input
+            proc.stdin.write((stdin_text or "").encode())
+            proc.stdin.close()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            proc.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            break
+        except subprocess.TimeoutExpired:
+            watch.poll(*paths)
+            if time.monotonic() >= deadline:
+                raise
+    watch.poll(*paths)
+    watch.close()
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pipeline.progress import Event, listening
+from pipeline.progress import Event, Throttle, describe, listening
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
@@ -76,22 +77,72 @@ def print_json(data: Any) -> None:
 
 @contextmanager
 def progress(enabled: bool) -> Iterator[None]:
-    """Show a spinner line per running stage (convert base, build, evaluate...) on stderr."""
-    if not enabled or not err_console.is_terminal:
+    """Each running stage on stderr (convert base, build, reference, evaluate...), with where its tool is when it
+    says (tensor i of N, window i of N, tokens/s, ETA: pipeline/progress.py). A terminal gets a live line per
+    stage; anything else (a log file, CI) a line when a stage starts and ends and a progress line each tenth of
+    the way or each minute."""
+    if not enabled:
         yield
         return
-    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
-                   transient=False)
+    if not err_console.is_terminal:
+        with listening(_plain_lines(Throttle())):
+            yield
+        return
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),
+                   TextColumn("{task.fields[where]}"), TimeElapsedColumn(), console=err_console, transient=False)
     running: dict[tuple[str, str], TaskID] = {}
+    clock = Throttle()
 
     def on_event(ev: Event) -> None:
         key = (ev.stage, ev.detail)
         label = f"{ev.stage} {ev.detail}".strip()
-        if ev.phase == "start":
-            running[key] = bar.add_task(label, total=1)
+        if ev.phase == "note":
+            bar.console.print(f"[yellow]note[/]: {escape(ev.detail)}")
+        elif ev.phase == "start":
+            clock.due(ev)
+            running[key] = bar.add_task(label, total=None, where="")
+        elif ev.phase == "progress" and key in running:
+            bar.update(running[key], completed=ev.done, total=ev.total, where=describe(ev, clock.elapsed(ev)))
         elif key in running:
             mark = "[green]✓[/]" if ev.phase == "done" else "[red]✗[/]"
-            bar.update(running.pop(key), completed=1, description=f"{mark} {label}")
+            task = running.pop(key)
+            bar.update(task, completed=1, total=1, description=f"{mark} {label}")
 
     with bar, listening(on_event):
         yield
+
+
+def _plain_lines(clock: Throttle) -> Callable[[Event], None]:
+    def on_event(ev: Event) -> None:
+        label = f"{ev.stage} {ev.detail}".strip()
+        if ev.phase == "note":
+            err_console.print(f"note: {ev.detail}", highlight=False, markup=False)
+        elif ev.phase == "start":
+            clock.due(ev)
+            err_console.print(f"→ {label}", highlight=False)
+        elif ev.phase == "progress":
+            if clock.due(ev):
+                err_console.print(f"  {label}: {describe(ev, clock.elapsed(ev))}", highlight=False)
+        else:
+            mark = "✓" if ev.phase == "done" else "✗"
+            err_console.print(f"{mark} {label} ({clock.elapsed(ev):.1f} s)", highlight=False)
+
+    return on_event
+
+
+def usage_table(stages: list[dict[str, Any]]) -> Table | None:
+    """Time and memory of each stage that ran (pipeline/resources.py: the stage's own peak, its tools included,
+    and the machine's memory in use at its peak); None when none ran."""
+    from pipeline.resources import gib
+
+    ran = [s for s in stages if s.get("status") == "ran" and s.get("usage")]
+    if not ran:
+        return None
+    table = Table(title="time and memory per stage", header_style="bold", title_justify="left")
+    for label in ("stage", "seconds", "own memory (peak)", "machine in use (peak)"):
+        table.add_column(label, justify="left" if label == "stage" else "right")
+    for s in ran:
+        u = s["usage"]
+        table.add_row(s["stage"], f"{u['wall_s']:.1f}", gib(u.get("peak_process_bytes")),
+                      gib(u.get("peak_in_use_bytes")))
+    return table

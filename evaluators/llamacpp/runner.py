@@ -37,6 +37,7 @@ from evaluators.protocol import (
     hardware,
     load_windows,
     read_request,
+    report_progress,
     write_result,
 )
 from evaluators.speed import Seq, engine_settings, prompts, speed_result
@@ -170,6 +171,7 @@ def _quality(req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             start = int(starts[k])
             eng.clear()
             col.add_rows(eng.decode(ids[k], 0, start - 1, window - 1), ids[k, start:], pool)
+            report_progress("windows", k + 1, n_windows, (k + 1) * window)
     n = col.save(out_dir)
     eng.close()
     return {"n_positions": n, "eval_s": t.s, "eval_tok_per_s": ids.size / t.s, "n_vocab": eng.n_vocab,

@@ -30,6 +30,7 @@ from evaluators.protocol import (
     hardware,
     load_windows,
     read_request,
+    report_progress,
     write_result,
 )
 
@@ -95,6 +96,8 @@ def main() -> None:
             logits = model(input_ids=batch).logits.float().cpu().numpy()
             for j in range(batch.shape[0]):
                 col.add_window(logits[j], ids[b + j], int(starts[b + j]))
+            done = min(ids.shape[0], b + bs)
+            report_progress("windows", done, ids.shape[0], done * ids.shape[1])
     n = col.save(out_dir)
     version = f"transformers {transformers.__version__}, torch {torch.__version__}, {req.get('dtype', 'float32')}"
     write_result(out_dir, {

@@ -49,6 +49,7 @@ from evaluators.protocol import (
     hardware,
     load_windows,
     read_request,
+    report_progress,
     write_result,
 )
 from evaluators.speed import Seq, engine_settings, prompts, speed_result
@@ -284,6 +285,7 @@ def quality(llm: Any, req: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             reported += [reported_targets(o.prompt_logprobs, ids[k], int(starts[k])) for k, o in zip(group, outs,
                                                                                                     strict=True)]
             rows, peak = rows + feeder.rows_seen, max(peak, feeder.peak_buffered_bytes)
+            report_progress("windows", group.stop, n_windows, group.stop * window)
     diff = np.abs(np.concatenate(col.parts["target_logprob"]) - np.concatenate(reported))
     if not diff.max() <= CAPTURE_CHECK_TOL:
         raise SystemExit(f"captured logits disagree with vLLM's own target log-probs by up to {diff.max():.3g} "

@@ -21,7 +21,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from pydantic import ValidationError
 
-from pipeline.errors import EXIT_ENGINE, EXIT_INTERNAL, ConfigError, InvalidSpecError, QuantyardError
+from pipeline.errors import EXIT_ENGINE, EXIT_INTERNAL, EXIT_USAGE, ConfigError, InvalidSpecError, QuantyardError
 
 app = typer.Typer(name="quantyard", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Convert Hugging Face causal LMs to GGUF / AWQ / EXL2, evaluate them on their engines "
@@ -142,7 +142,7 @@ def flag_groups(order: Sequence[str]) -> Callable[[F], F]:
 
 
 def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
-    from pipeline.render import console, print_json, progress, results_table
+    from pipeline.render import console, print_json, progress, results_table, usage_table
     from pipeline.shown import table_rows
 
     prefect_defaults()
@@ -172,9 +172,18 @@ def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
             console.print(f"[yellow]note[/] ({', '.join(names)}): {escape(said)}")
         for v in report.variants:
             if v.error or v.eval_error:
-                console.print(f"[red]{v.variant}[/]: {v.error or v.eval_error}")
-    if not report.ok or any(v.eval_status == "failed" for v in report.variants):
+                console.print(f"[red]{v.variant}[/]: {escape(v.error or v.eval_error or '')}")
+        for said in (report.preflight or {}).get("notes", []):
+            console.print(f"[yellow]note[/]: {escape(said)}")
+        usage = usage_table(report.stages)
+        if usage is not None:
+            console.print(usage)
+        for d in report.disk_used:
+            console.print(f"disk: {escape(d['describe'])}")
+    if any(v.status == "failed" for v in report.variants) or any(v.eval_status == "failed" for v in report.variants):
         raise typer.Exit(EXIT_ENGINE)
+    if report.refused:  # the rest ran; what the pre-flight refused did not (flows/preflight.py)
+        raise typer.Exit(EXIT_USAGE)
 
 
 def _variant_notes(variants: list[Any]) -> dict[str, list[str]]:
