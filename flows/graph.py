@@ -195,8 +195,13 @@ def _prepare_spec(fmt: str, plan: Plan, specs: list[Any]) -> dict[str, Any]:
     return {"specs": [s.model_dump(mode="json") for s in specs]}
 
 
+#: EvalSpec fields that are not part of any stage's key: why an automatic reference was chosen (it names the
+#: memory available at the time) says how the engine was chosen, not what the reference computes.
+UNKEYED_EVAL = frozenset({"reference_reason"})
+
+
 def _eval_spec(plan: Plan) -> dict[str, Any]:
-    spec = plan.eval.model_dump(mode="json", exclude={"speed", "cross_check", "enabled"})
+    spec = plan.eval.model_dump(mode="json", exclude={"speed", "cross_check", "enabled", *UNKEYED_EVAL})
     return {"eval": spec, "text_sha256": _text_digest(plan.eval.text_file)}
 
 
@@ -252,7 +257,7 @@ def build_graph(plan: Plan, identity: str, placement: Placement, target: dict[st
             for engine in engines_of(fmt, plan.eval.cross_check):
                 ev = request("evaluate", f"evaluate:{spec.name}:{engine}",
                              {"register": reg.key, "engine": engine, **_eval_spec(plan),
-                              "eval_all": plan.eval.model_dump(mode="json")}, [engine],
+                              "eval_all": plan.eval.model_dump(mode="json", exclude=set(UNKEYED_EVAL))}, [engine],
                              placement.for_engine(engine, engine_info(engine).pool), one,
                              {**up, "register": reg.key, "reference": ref.key}, fmt=fmt, variant=spec.name,
                              engine=engine)
