@@ -73,8 +73,12 @@ from pipeline.config import Settings
 from pipeline.cpu import cpu_flags
 from pipeline.progress import RESOLVE_PARTS as PARTS
 
-SIZES = ("demo", "real", "big")
-DEFAULT_WINDOWS = {"demo": 16, "real": 16, "big": 8}
+SIZES = ("demo", "real", "big", "8b")
+#: Measured by default (``8b``, minutes to build and about an hour to run on 2 cores, only when asked).
+DEFAULT_SIZES = ("demo", "real", "big")
+DEFAULT_WINDOWS = {"demo": 16, "real": 16, "big": 8, "8b": 8}
+#: Sizes whose weights are random (SYNTHETIC: costs real, PPL/KLD meaningless).
+SYNTHETIC_SIZES = ("big", "8b")
 FOLDER_WINDOWS = 8  # a local folder given by its path
 SAMPLE_S = 0.1
 GIB = 1024**3
@@ -339,9 +343,16 @@ def job_estimate(fits: dict[str, tuple[LinearFit, LinearFit]], target: Target, j
 
 @dataclass
 class StageRun:
+    """One stage at one size. ``peak_bytes``: ``memory`` says what it is: ``own`` (since 2026-12-07: the stage's
+    own processes, RssAnon + RssShmem, pipeline/resources.py: a memory-mapped model file is not counted, as the
+    kernel does not count it against the machine) or ``rss`` (before: the summed RSS of every process of the run,
+    mapped files included, an upper bound). ``in_use_bytes``: the machine's memory in use at the stage's peak."""
+
     seconds: float
     peak_bytes: float | None
     tokens: int
+    in_use_bytes: float | None = None
+    memory: str = "rss"
 
 
 @dataclass
@@ -396,7 +407,8 @@ def big_checkpoint(cfg: Settings) -> Path:
 
 
 def size_checkpoint(size: str, cfg: Settings) -> Path:
-    """demo, real, big, or a local checkpoint folder by its path (SystemExit when it is not one)."""
+    """demo, real, big, 8b (bench/synthetic.py's Llama-3-8B shape), or a local checkpoint folder by its path
+    (SystemExit when it is not one)."""
     return big_checkpoint(cfg) if size == "big" else vs.checkpoint(size, cfg)
 
 
@@ -511,12 +523,17 @@ def measure(size: str, ckpt: Path, cfg: Settings, windows: int, threads: int,
             raise RuntimeError(f"stage {name} {entry['status']} in a fresh run: {entry.get('error')}")
         short = ":".join(name.split(":")[:2])
         tokens = n_windows * vs.CTX if short.startswith(TOKEN_STAGES) else 0
-        stages[short] = StageRun(float(entry["dispatch_s"] or 0.0), peak_in(samples, spans.get(short)), tokens)
+        usage = entry.get("usage") or {}
+        own = usage.get("peak_process_bytes")  # the stage's own processes, mapped files not counted
+        stages[short] = StageRun(float(entry["dispatch_s"] or 0.0),
+                                 own if own is not None else peak_in(samples, spans.get(short)), tokens,
+                                 usage.get("peak_in_use_bytes"), "own" if own is not None else "rss")
     # what no stage holds: interpreter start, imports, Prefect's embedded server, registry, report, JSON
     counted = sum(s.seconds for k, s in stages.items() if k not in SOURCE_PARTS.values())
     stages["other"] = StageRun(total - counted, peak_outside(samples, spans), 0)
     return SizeRun(size, str(ckpt), param_count(ckpt), n_windows, stages, total,
-                   float(max((r for _, r in samples), default=0)), synthetic=size == "big", vocab=vocab_size(ckpt))
+                   float(max((r for _, r in samples), default=0)), synthetic=size in SYNTHETIC_SIZES,
+                   vocab=vocab_size(ckpt))
 
 
 # --- from measurements to fits --------------------------------------------------------------------
@@ -570,11 +587,14 @@ def measured_table(run: SizeRun) -> str:
     kind = ("SYNTHETIC (random weights: costs real, PPL/KLD meaningless)" if run.synthetic
             else "pretrained" if run.size in SIZES else "a local checkpoint")
     vocab = "" if run.vocab is None else f", vocabulary {run.vocab:,}"
+    own = any(s.memory == "own" for s in run.stages.values())
+    memory = "peak own memory GiB | machine in use GiB" if own else "peak RSS GiB | machine in use GiB"
     out = [f"### {run.size}: {run.params / 1e6:.1f} M parameters{vocab}, {kind}; {run.windows} windows × {vs.CTX} "
            "tokens",
-           f"checkpoint {run.checkpoint}", "", "| stage | seconds | peak RSS GiB | tokens |", "|---|---:|---:|---:|"]
-    out += [f"| {k} | {s.seconds:.2f} | {_gib(s.peak_bytes)} | {s.tokens} |" for k, s in run.stages.items()]
-    out.append(f"| **whole command** | **{run.total_s:.1f}** | **{_gib(run.peak_bytes)}** | |")
+           f"checkpoint {run.checkpoint}", "", f"| stage | seconds | {memory} | tokens |", "|---|---:|---:|---:|---:|"]
+    out += [f"| {k} | {s.seconds:.2f} | {_gib(s.peak_bytes)} | {_gib(s.in_use_bytes)} | {s.tokens} |"
+            for k, s in run.stages.items()]
+    out.append(f"| **whole command** | **{run.total_s:.1f}** | **{_gib(run.peak_bytes)}** (summed RSS) | | |")
     return "\n".join(out)
 
 
@@ -670,6 +690,41 @@ def report(runs: list[SizeRun], ram: float, gpu: GpuModel, job: Job) -> list[str
     return parts
 
 
+def load_runs(path: Path) -> list[SizeRun]:
+    """Measurements saved with ``--save``."""
+    return [SizeRun(**{**d, "stages": {k: StageRun(**s) for k, s in d["stages"].items()}})
+            for d in json.loads(path.read_text())]
+
+
+def compare_table(old: list[SizeRun], new: list[SizeRun], source: Path) -> str:
+    """How far the fits of ``old`` (an earlier measurement file) were off at each size of ``new`` beyond their
+    largest measured size: per stage group, the old EXTRAPOLATION and the measurement, time and memory (memory only
+    where both measured the same thing: the stage's own memory, or both summed RSS)."""
+    fits, _ = fit_groups(old)
+    top = max(r.params for r in old)
+    beyond = [r for r in new if r.params > top]
+    out = [f"### The earlier fits ({source.name}: {', '.join(f'{r.size} {r.params / 1e9:.2f} B' for r in old)}) "
+           "against the sizes measured here beyond them", ""]
+    if not beyond:
+        return "\n".join([*out, "- no size measured here is larger than the earlier file's largest"])
+    for run in beyond:
+        out += [f"#### {run.size}: {run.params / 1e9:.2f} B parameters, measured",
+                "", "| stage | EXTRAPOLATED s (earlier fit) | measured s | measured / extrapolated "
+                "| EXTRAPOLATED peak GiB | measured peak GiB |", "|---|---:|---:|---:|---:|---:|"]
+        for name, stage in groups(run).items():
+            if name not in fits:
+                continue
+            tfit, mfit = fits[name]
+            x = run.params * (stage.tokens if name.startswith(TOKEN_STAGES) else 1)
+            t = tfit.predict(x)
+            same = {s.memory for o in old for k, s in groups(o).items() if k == name} == {stage.memory}
+            m = f"{mfit.predict(run.params) / GIB:.2f}" if same else "— (measured otherwise)"
+            ratio = f"{stage.seconds / t:.2f}" if t > 0 else "—"
+            out.append(f"| {name} | {t:.1f} | {stage.seconds:.1f} | {ratio} | {m} | {_gib(stage.peak_bytes)} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def parse_windows(text: str | None, sizes: list[str]) -> dict[str, int]:
     """``--windows``: one number for every size, or one per size in ``--sizes`` order; default per size."""
     if text is None:
@@ -684,22 +739,27 @@ def parse_windows(text: str | None, sizes: list[str]) -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default=",".join(SIZES),
-                    help="comma-separated: demo, real, big, or a local checkpoint folder (default demo,real,big)")
+    ap.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
+                    help="comma-separated: demo, real, big, 8b (SYNTHETIC, Llama-3-8B's shape: about an hour), or a "
+                         "local checkpoint folder (default demo,real,big)")
     ap.add_argument("--windows", default=None, help="512-token windows: N, or one per size (default 16,16,8)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--reference", choices=("llama.cpp", "transformers"), default="llama.cpp",
                     help="the reference engine (default llama.cpp: the F16 GGUF, the one that scales)")
     ap.add_argument("--out", type=Path, default=None, help="also write the report, with its header, here")
     ap.add_argument("--save", type=Path, default=None, help="write the raw measurements (JSON) here")
-    ap.add_argument("--load", type=Path, default=None, help="fit saved measurements instead of measuring")
+    ap.add_argument("--load", type=Path, action="append", default=None,
+                    help="fit saved measurements instead of measuring (repeatable: the files' sizes together)")
+    ap.add_argument("--compare", type=Path, default=None,
+                    help="an earlier measurement file: its fits' EXTRAPOLATION to each size measured here beyond its "
+                         "range, against what was measured (how far the old extrapolation was off)")
     ap.add_argument("--gpu", type=Path, default=None,
                     help="the reference stage measured on a GPU (bench/gpu_reference.py's JSON) for the GPU column")
     args = ap.parse_args()
     sizes = [s for s in args.sizes.split(",") if s]
     for s in sizes:  # a mistyped folder fails now, before minutes of building and measuring
         if s not in SIZES:
-            vs.checkpoint_folder(s, option="--sizes", builtin="demo, real, big")
+            vs.checkpoint_folder(s, option="--sizes", builtin="demo, real, big, 8b")
     cfg = Settings(threads=args.threads)
     windows = parse_windows(args.windows, sizes)
     # built (the synthetic one: once, minutes) before the load average is read and anything is timed
@@ -707,8 +767,7 @@ def main() -> None:
     parts = [header(sys.argv, os.getloadavg(), args.threads)]
     print(parts[0] + "\n", flush=True)
     if args.load is not None:
-        runs = [SizeRun(**{**d, "stages": {k: StageRun(**s) for k, s in d["stages"].items()}})
-                for d in json.loads(args.load.read_text())]
+        runs = [r for path in args.load for r in load_runs(path)]
     else:
         runs = []
         for size, ckpt in ckpts.items():
@@ -718,6 +777,8 @@ def main() -> None:
             args.save.write_text(json.dumps([asdict(r) for r in runs], indent=1))
     gpu = GpuModel(measured=GpuMeasured.load(args.gpu) if args.gpu is not None else None)
     parts += report(runs, ram_bytes(), gpu, Job())
+    if args.compare is not None:
+        parts.append(compare_table(load_runs(args.compare), runs, args.compare))
     end = os.getloadavg()
     parts.append(f"# load average at end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f} (1/5/15 min)")
     for p in parts[1:]:

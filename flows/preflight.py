@@ -250,8 +250,9 @@ def _disk(plan: Plan, checkpoint: Checkpoint, settings: Settings, sizes: dict[st
         disk = DiskNeed(str(where), need, free, tuple(parts))
         if need + (settings.disk_headroom_mb << 20) > free:
             raise DiskFullError(where, needed=need, free=free, what=f"what this plan writes ({disk.describe()})",
-                                hint="free space there, point QUANTYARD_WORK_DIR / --registry at a larger disk, "
-                                     "build fewer variants, or evaluate fewer windows (--max-windows)")
+                                hint="refused before any work: free space there, point QUANTYARD_WORK_DIR / "
+                                     "--registry at a larger disk, build fewer variants, or evaluate fewer windows "
+                                     "(--max-windows)")
         out.append(disk)
     return out
 

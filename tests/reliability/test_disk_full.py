@@ -57,7 +57,9 @@ def test_convert_on_a_full_disk(small_fs: Path, demo_model: Path, tmp_path: Path
     text = out.stdout + out.stderr
     assert out.returncode == 2, text[-3000:]
     assert "DiskFullError" in text and "MB" in text and str(small_fs) in text, text[-3000:]
-    assert "needed" in text
+    # the pre-flight's estimate (flows/preflight.py): refused before anything was written, saying what would not fit
+    assert "would not fit" in text and "refused before any work" in text and "ESTIMATE" in text, text[-3000:]
+    assert not (small_fs / "work" / "gguf-base").exists()
     assert not _incomplete(small_fs), _incomplete(small_fs)
     staging = small_fs / "work" / "staging"
     assert not staging.exists() or not any(staging.iterdir())
