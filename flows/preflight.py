@@ -85,7 +85,7 @@ class Preflight:
                 "reference": {"engine": self.plan.eval.reference_engine, "dtype": self.plan.eval.reference_dtype,
                               "device": self.plan.eval.reference_device, "reason": self.plan.eval.reference_reason}
                 if self.plan.eval.enabled else None,
-                "needs": [{"what": n.what, "memory": n.memory, "fits": ok, "estimate": True,
+                "needs": [{"what": n.what, "stage": n.stage, "memory": n.memory, "fits": ok, "estimate": True,
                            "parts": dict(n.parts)} for n, ok in self.needs],
                 "disk": [{"where": d.where, "needed": d.needed, "free": d.free, "estimate": True,
                           "items": dict(d.items)} for d in self.disk],
@@ -152,7 +152,7 @@ def preflight(plan: Plan, checkpoint: Checkpoint, source: SourceRef, settings: S
     plan = settle_reference(plan, facts, settings)
     out = Preflight(plan=plan, memory=memory)
     if plan.eval.enabled:
-        out.needs.append((reference_need(plan.eval, facts), True))
+        out.needs.append((reference_need(plan.eval, facts).at("reference"), True))
         if plan.eval.reference_reason:
             out.notes.append(f"reference: {plan.eval.reference_reason}")
     sizes: dict[str, int] = {}
@@ -203,7 +203,8 @@ def _memory(out: Preflight, fmt: str, facts: ModelFacts, foot: Footprint, specs:
         evaluator = get_evaluator(engine)
         for spec in specs:
             need = evaluator.memory_need(facts, foot.variant_bytes.get(spec.name, facts.stored_bytes),
-                                         spec.model_dump(mode="json"), plan.eval, settings)
+                                         spec.model_dump(mode="json"), plan.eval, settings).at(
+                f"evaluate:{spec.name}:{engine}")
             if engine not in main and need.memory > available:
                 skip_cross = True
                 out.needs.append((need, False))
@@ -307,3 +308,12 @@ def disk_used(before: dict[str, int], settings: Settings) -> list[dict[str, Any]
         out.append({"where": where, "free_before": free, "free_after": after, "used": used,
                     "describe": f"{where}: {used / GIB:+.2f} GiB used by the run (free {gib(free)} → {gib(after)})"})
     return out
+
+
+def estimate_of(stage: str, needs: list[dict[str, Any]]) -> int | None:
+    """The largest ESTIMATE a report's pre-flight made for ``stage`` (its ``needs``, matched by their stage
+    patterns: ``build:*`` matches ``build:Q8_0``), None where it made none."""
+    from fnmatch import fnmatchcase
+
+    found = [int(n["memory"]) for n in needs if n.get("stage") and fnmatchcase(stage, n["stage"])]
+    return max(found) if found else None

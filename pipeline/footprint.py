@@ -13,7 +13,7 @@ The facts come from config.json and the safetensors headers (:class:`ModelFacts`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 GIB = 1024**3
@@ -73,10 +73,17 @@ class Need:
     what: str  # "the reference: transformers, float32, on the checkpoint"
     memory: int
     parts: tuple[tuple[str, int], ...] = field(default_factory=tuple)  # (part, bytes), summing to ``memory``
+    #: The stages of a run's graph it is the estimate of (flows/graph.py names, ``*`` a wildcard: ``build:*``,
+    #: ``evaluate:Q8_0:llama.cpp``), so that a run's measured usage can be set beside it.
+    stage: str = ""
 
     @classmethod
     def of(cls, what: str, *parts: tuple[str, int]) -> Need:
         return cls(what, sum(b for _, b in parts), tuple((p, int(b)) for p, b in parts if b))
+
+    def at(self, stage: str) -> Need:
+        """This estimate, for ``stage``."""
+        return replace(self, stage=stage)
 
     def describe(self) -> str:
         inner = " + ".join(f"{p} {_size(b)}" for p, b in self.parts)

@@ -81,8 +81,9 @@ def progress(enabled: bool) -> Iterator[None]:
     says (tensor i of N, window i of N, tokens/s, ETA: pipeline/progress.py). A terminal gets a live line per
     stage; anything else (a log file, CI) a line when a stage starts and ends and a progress line each tenth of
     the way or each minute."""
-    if not enabled:
-        yield
+    if not enabled:  # --json: stdout is the report; what the user must know still goes to stderr
+        with listening(_notes_only):
+            yield
         return
     if not err_console.is_terminal:
         with listening(_plain_lines(Throttle())):
@@ -110,6 +111,11 @@ def progress(enabled: bool) -> Iterator[None]:
 
     with bar, listening(on_event):
         yield
+
+
+def _notes_only(ev: Event) -> None:
+    if ev.phase == "note":
+        err_console.print(f"note: {ev.detail}", highlight=False, markup=False)
 
 
 def _plain_lines(clock: Throttle) -> Callable[[Event], None]:

@@ -147,7 +147,8 @@ class AWQConverter:
         facts = checkpoint.facts
         compute = self.compute_dtype(checkpoint) or checkpoint_dtype_name(checkpoint)
         own = 8 * DTYPE_BYTES.get(checkpoint_dtype_name(checkpoint), 2)
-        needs = tuple(awq_calibration(facts, compute, s.calibration_samples, s.calibration_seq_len) for s in specs)
+        needs = tuple(awq_calibration(facts, compute, s.calibration_samples, s.calibration_seq_len)
+                      .at(f"build:{s.name}") for s in specs)
         sizes = {s.name: quantized_bytes(facts, s.bits + 32 / max(s.group_size, 32), own) for s in specs}
         return Footprint(needs=needs, variant_bytes=sizes)
 

@@ -172,7 +172,7 @@ class EXL2Converter:
                            if len(t.shape) == 2 and n.endswith(".weight") and ".layers." in n)
             needs.append(Need.of("the reference-cpu EXL2 codec (measurement and GPTQ, float32)",
                                  ("weights", facts.n_params * 4), ("input Hessians", hessians),
-                                 ("interpreter", TORCH_PROCESS)))
+                                 ("interpreter", TORCH_PROCESS)).at("prepare:exl2"))
         sizes = {s.name: quantized_bytes(facts, s.bpw, (s.head_bits + 16) / 2) for s in specs}
         return Footprint(needs=tuple(needs), variant_bytes=sizes)
 

@@ -215,12 +215,13 @@ class GGUFConverter:
                            settings=self.settings)
         folders = {base_type, *(s.type for s in specs if converted_directly(checkpoint, base_type, s))}
         work = sum(estimated_bytes(facts, t) for t in folders if not (self._base_dir(ctx, t) / "ok").is_file())
-        needs = [gguf_conversion(facts)]
+        needs = [gguf_conversion(facts).at("prepare:gguf")]
         if any(s.type not in GGUF_BASE_TYPES for s in specs):
-            needs.append(gguf_quantize(facts))
+            needs.append(gguf_quantize(facts).at("build:*"))
         if any(s.imatrix for s in specs):
-            needs.append(llama_cpp_run(facts, estimated_bytes(facts, base_type), False,
-                                       self.options.calibration.context, "llama-imatrix on the base"))
+            imatrix = llama_cpp_run(facts, estimated_bytes(facts, base_type), False, self.options.calibration.context,
+                                    "llama-imatrix on the base")
+            needs.append(imatrix.at("prepare:gguf"))
         return Footprint(needs=tuple(needs), work_bytes=work,
                          variant_bytes={s.name: estimated_bytes(facts, s.type) for s in specs})
 
