@@ -11,7 +11,7 @@ CORE   := $(VENV)/.quantyard-core
 STAMP  := $(VENV)/.quantyard-setup
 PIP    := $(BIN)/python -m pip
 
-.PHONY: setup prune-tmp postgres browser demo test lint clean
+.PHONY: setup prune-tmp postgres browser demo test lint docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -96,7 +96,14 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+	$(MAKE) --no-print-directory docs
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
+
+# The documentation site (mkdocs.yml, docs/): every rendered figure and the command reference checked against
+# bench/results/ and the code (scripts/docs.py), then built with --strict (a broken link or a missing page fails).
+docs: $(CORE)
+	$(BIN)/python scripts/docs.py check
+	$(BIN)/mkdocs build --strict --quiet
 
 lint: setup
 	$(BIN)/ruff check .
@@ -104,4 +111,4 @@ lint: setup
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache test-artifacts
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache test-artifacts site

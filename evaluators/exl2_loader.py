@@ -2,7 +2,7 @@
 reference codec (``pipeline.exl2_codec``, which imports only torch), for CPU evaluation.
 
 The model computes with the fp16 weights the codec reconstructs, designed to be bit for bit what the
-ExLlamaV2 kernels reconstruct (the GPU comparison is prepared, not yet run: see pipeline/exl2_codec.py),
+ExLlamaV2 kernels reconstruct (the GPU comparison's status: pipeline/status.py),
 upcast to ``dtype``; everything else (embeddings, norms) is taken from the file as stored. This
 measures the *quantization*, not ExLlamaV2's speed or its fp16 arithmetic: results are labelled
 engine ``exl2-reference``.

@@ -31,10 +31,10 @@ Dequantization, in fp16 exactly as the CUDA kernels round it::
     Wᵀ[perm[k], n] = fp16(fp16(q − 2^(bits−1)) · s)   # dq, one rounding per product
 
 Every product of two fp16 numbers is exact in float32, so computing it in float32 and rounding
-once to fp16 should reproduce the GPU's round-to-nearest-even results bit for bit. **Prepared, not yet run:**
-no GPU has been lent to this project so far, so the comparison with ExLlamaV2's own reconstruction
-(``tests/converters/test_exl2_gpu.py``, run by ``scripts/gpu-check.sh run-exl2`` on a CUDA machine) has never
-run; until it has, "bit for bit" is this module's design, not a measured fact.
+once to fp16 should reproduce the GPU's round-to-nearest-even results bit for bit. That is this module's design,
+not a measured fact: the comparison with ExLlamaV2's own reconstruction (``tests/converters/test_exl2_gpu.py``, run
+by ``scripts/gpu-check.sh run-exl2`` on a CUDA machine) has not passed on a GPU; how it went is in
+``pipeline/status.py`` (the one record of what ran on a GPU).
 """
 
 from __future__ import annotations

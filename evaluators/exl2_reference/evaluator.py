@@ -2,7 +2,7 @@
 
 The transformers runner (``evaluators.transformers.runner`` with ``loader="exl2"``) loads the EXL2 folder by
 dequantizing every layer with Quantyard's codec (``evaluators/exl2_loader.py``, designed bit-exact with
-ExLlamaV2's reconstruction; the GPU comparison is prepared, not yet run) and scores it in fp32 on the same
+ExLlamaV2's reconstruction; whether that held on a GPU: ``pipeline/status.py``) and scores it in fp32 on the same
 windows. It is a stand-in: fp32 transformers arithmetic, not ExLlamaV2's fp16 kernels. It measures what the
 quantization did to the model; it reports no speed, since a dequantized transformers model says nothing about
 ExLlamaV2's.

@@ -1,7 +1,8 @@
 """ExLlamaV2 evaluator (engine ``exllamav2``): EXL2 variants on the real engine, on CUDA, in the ExLlamaV2
 interpreter (``evaluators/exllamav2/runner.py``): log-probs on the shared windows, and speed (time to first
 token, decode tok/s at batch 1, the dynamic generator at N concurrent sequences). Where it cannot run, the
-``exl2-reference`` engine (``evaluators/exl2_reference/``) stands in.
+``exl2-reference`` engine (``evaluators/exl2_reference/``) stands in. A GPU path: what it has shown on a GPU, and
+what not, is recorded in ``pipeline/status.py``, not here.
 """
 
 from __future__ import annotations

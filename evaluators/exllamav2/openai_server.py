@@ -1,4 +1,5 @@
-"""A small OpenAI-compatible server around ExLlamaV2's dynamic generator (CUDA only). Run as
+"""A small OpenAI-compatible server around ExLlamaV2's dynamic generator (CUDA only; a GPU path: whether it has
+run on a GPU is recorded in ``pipeline/status.py``). Run as
 ``python -m evaluators.exllamav2.openai_server --model DIR --name NAME --port N --slots S --context C`` in the
 ExLlamaV2 interpreter (evaluators/exllamav2/server.py builds the command; fastapi and uvicorn come with the
 ``exl2`` environment).

@@ -15,7 +15,9 @@ in the runner's process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; :func:`model_runn
   interchangeable).
 * the prompt-logprob step: V1's ``GPUModelRunner._get_prompt_logprobs_dict(hidden_states,
   num_scheduled_tokens)`` (also vLLM-CPU's model runner) or V2's
-  ``PromptLogprobsWorker.compute_prompt_logprobs(logits_fn, hidden_states, input_batch, ...)``. Before it
+  ``PromptLogprobsWorker.compute_prompt_logprobs(logits_fn, hidden_states, input_batch, ...)`` (vLLM's CUDA build:
+  a GPU path, written against vllm 0.33.0's source; whether it has run on a GPU is recorded in
+  ``pipeline/status.py``). Before it
   runs, the hook records which rows of this step's hidden states belong to which request and at which
   prompt position (the same state the step itself reads); while it runs, every ``compute_logits`` call
   (V1: ``model.compute_logits``, swapped on the instance for the call; V2: the ``logits_fn`` argument) is
