@@ -156,7 +156,7 @@ def train(recipe: DemoRecipe, ids: list[int], progress: Callable[[int, int, floa
         sched.step()
         opt.zero_grad(set_to_none=True)
         if progress is not None:
-            progress(step + 1, recipe.steps, float(out.loss))
+            progress(step + 1, recipe.steps, float(out.loss.detach()))
     model.eval()
     return model
 

@@ -173,6 +173,20 @@ def results_index(root: Path) -> str:
     return "\n".join(out)
 
 
+def suite_runs(root: Path) -> str:
+    """The whole-suite and demo runs kept in bench/results/ (make test, make demo), each with the first lines of its
+    header, which say the machine: where the tests and the demo have run."""
+    out = ["| file | what its header says |", "|---|---|"]
+    for path in sorted((root / "bench" / "results").glob("*")):
+        if not path.name.startswith(("make_test", "fresh_make_demo", "make_demo")):
+            continue
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()[:3]
+        head = [ln.lstrip("# ").strip() for ln in lines if ln.strip()]
+        said = " ".join(head).replace("|", "/")
+        out.append(f"| `{path.name}` | {said[:300]}{'…' if len(said) > 300 else ''} |")
+    return "\n".join(out)
+
+
 def result_file(root: Path, name: str, heading: str | None = None) -> str:
     """A result file (or one section of it: from the heading starting with ``heading`` to the next heading of its
     level or above), its header lines as a list, its headings demoted two levels under the page's."""
@@ -198,13 +212,15 @@ def result_file(root: Path, name: str, heading: str | None = None) -> str:
 
 
 def code_value(root: Path, name: str) -> str:
-    """A limit or default from the code, by dotted name (``pipeline.footprint.COMFORT``)."""
+    """A limit or default from the code, by dotted name (``pipeline.footprint.COMFORT``); ``NAME:%`` shows a
+    fraction as a percentage (0.8 → 80%)."""
     from importlib import import_module
 
+    name, _, fmt = name.partition(":")
     module, _, attr = name.rpartition(".")
     value = getattr(import_module(module), attr)
-    if isinstance(value, float) and 0 < value < 1:
-        return f"{value:.0%}"
+    if fmt == "%":
+        return f"{100 * float(value):g}%"
     return str(value)
 
 
@@ -214,6 +230,7 @@ FRAGMENTS: dict[str, Callable[[Path], str]] = {
     "settings": settings_table,
     "whole-job": whole_job,
     "results-index": results_index,
+    "suite-runs": suite_runs,
 }
 
 
@@ -293,13 +310,18 @@ def rendered(text: str, root: Path) -> str:
 
 
 def render(root: Path) -> list[Path]:
-    """Rewrite every block and the generated pages; returns the files changed."""
+    """Rewrite every block and the generated pages; returns the files changed. A page with a block whose source is
+    missing is left as it is and named on stderr (``check`` fails on it)."""
     changed = []
     for page in pages(root):
         if page.name in GENERATED_PAGES and page.parent.name == "docs":
             continue
         text = page.read_text(encoding="utf-8")
-        new = rendered(text, root)
+        try:
+            new = rendered(text, root)
+        except (KeyError, FileNotFoundError) as exc:
+            print(f"{page.relative_to(root)}: not rendered: {exc}", file=sys.stderr)
+            continue
         if new != text:
             page.write_text(new, encoding="utf-8")
             changed.append(page)

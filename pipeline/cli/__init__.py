@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 
-from pipeline.cli import browse, convert, demo, deploy, env, recommend, registry, serve, validate, web, work
+from pipeline.cli import browse, convert, demo, deploy, doctor, env, recommend, registry, serve, validate, web, work
 from pipeline.cli.common import app
 
 convert.register(app)
@@ -30,6 +30,7 @@ serve.register(app)
 web.register(app)
 env.register(app)
 work.register(app)
+doctor.register(app)
 
 
 def main() -> None:

@@ -34,8 +34,10 @@ def parse_bytes(text: str) -> int:
 def recommend(
     model: Annotated[str, typer.Argument(help="MODEL in the registry.")],
     max_memory: Annotated[str, typer.Option("--max-memory", help="Memory budget: 8G (10^9 B), 7.5GiB (2^30 B)…")],
-    context: Annotated[int, typer.Option(help="Context per user, in tokens.", min=1)],
-    users: Annotated[int, typer.Option(help="Concurrent users.", min=1)],
+    context: Annotated[int | None, typer.Option(
+        help="Context per user, in tokens (default: the context the model was trained for, read from its "
+             "registered files and said in the output).", min=1)] = None,
+    users: Annotated[int, typer.Option(help="Concurrent users.", min=1)] = 1,
     max_kld: Annotated[float | None, typer.Option(help="Largest exact full-vocabulary KLD accepted (a top-K "
                                                   "lower bound is not accepted).", min=0)] = None,
     p99_ttft_ms: Annotated[float | None, typer.Option(help="Largest p99 time to first token, ms.", min=0)] = None,
@@ -51,10 +53,19 @@ def recommend(
     from registry.recommend import RecommendRequest, recommendation_json
     from registry.recommend import recommend as run
 
+    reg = open_registry(settings(registry), create=False)
+    versions = reg.latest_versions(model)
+    said = None
+    if context is None:
+        context, said = trained_context(reg, versions)
     req = RecommendRequest(model=model, max_memory_bytes=parse_bytes(max_memory), context=context, users=users,
                            max_kld=max_kld, p99_ttft_ms=p99_ttft_ms, p99_itl_ms=p99_itl_ms,
                            allow_estimates=allow_estimates)
-    rec = run(open_registry(settings(registry), create=False).latest_versions(model), req)
+    rec = run(versions, req)
+    if said is not None:
+        from pipeline.render import err_console
+
+        err_console.print(f"note: context {context:,} tokens: {said} (--context to choose another)", markup=False)
     if as_json:
         from pipeline.render import print_json
 
@@ -63,6 +74,41 @@ def recommend(
         print_recommendation(rec)
     if not rec.ranked and not rec.unranked:
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def trained_context(reg: Any, versions: list[Any]) -> tuple[int, str]:
+    """The context the model was trained for, from its registered files: a folder format's ``config.json``
+    (``max_position_embeddings`` and the other keys converters/checkpoint.py reads), else a GGUF's
+    ``<architecture>.context_length``; and where it was read.
+
+    Raises:
+        InvalidSpecError: no registered file says it.
+    """
+    import json
+
+    from converters.checkpoint import CONTEXT_KEYS
+
+    for v in versions:
+        for f in v.files:
+            if f.name == "config.json":
+                cfg = json.loads(reg.local_blob(f.sha256, f.size).read_text())
+                cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+                key = next((k for k in CONTEXT_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 0), None)
+                if key is not None:
+                    return int(cfg[key]), f"the model's trained context ({v.ref} config.json {key})"
+    from converters.gguf.header import read_header
+
+    for v in versions:
+        gguf = next((f for f in v.files if f.name.endswith(".gguf")), None)
+        if gguf is None:
+            continue
+        header = read_header(reg.local_blob(gguf.sha256, gguf.size))
+        arch = header.get("general.architecture")
+        length = header.get(f"{arch}.context_length")
+        if isinstance(length, int) and length > 0:
+            return length, f"the model's trained context ({v.ref} {arch}.context_length)"
+    raise InvalidSpecError("no registered file of this model says the context it was trained for",
+                           hint="pass --context TOKENS")
 
 
 def _cells(c: Any) -> list[str]:

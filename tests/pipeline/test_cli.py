@@ -328,3 +328,13 @@ def test_a_flag_a_model_rejects_is_bad_input_not_an_internal_error(demo_model: P
     result = CliRunner().invoke(app, ["convert", str(demo_model), "--gguf", "Q8_0", "--top-k", "0"])
     assert result.exit_code == 2, result.output
     assert "top_k" in result.output and "internal error" not in result.output
+
+
+def test_recommend_takes_the_trained_context_by_default(demo_registry: Path) -> None:
+    """A first `quantyard recommend MODEL --max-memory 8G` stopped on "Missing option '--context'": the context
+    now defaults to the one the model was trained for, read from its registered files and said."""
+    result = CliRunner().invoke(app, ["recommend", "demo", "--max-memory", "8G", "--registry", str(demo_registry)])
+    assert "Missing option" not in result.output, result.output
+    assert result.exit_code in (0, 1), result.output  # 1: nothing served yet, so nothing fits (each says why)
+    assert "note: context 2,048 tokens: the model's trained context (demo/" in result.stderr, result.stderr
+    assert "context 2,048, 1 users" in result.stdout
