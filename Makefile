@@ -103,7 +103,7 @@ test: setup
 # bench/results/ and the code (scripts/docs.py), then built with --strict (a broken link or a missing page fails).
 docs: $(CORE)
 	$(BIN)/python scripts/docs.py check
-	$(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: setup
 	$(BIN)/ruff check .

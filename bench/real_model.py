@@ -28,7 +28,7 @@ from pipeline.config import Settings
 from pipeline.llama_cpp import LlamaCppToolchain, llama_cpp_toolchain
 from pipeline.real_model import WEIGHTS_NOTE
 from pipeline.results import kld_of
-from pipeline.shown import pick
+from pipeline.shown import DENSE_KERNEL, dense_kernel, engine_mark, legend, mark_of, pick, role_of
 from registry import open_registry
 
 MODEL = "smollm2-135m"
@@ -70,7 +70,10 @@ def rows(registry: Path, windows: int, checkpoint: Path, cfg: Settings, work: Pa
                                "ppl": m.get("ppl"), "ref_ppl": m.get("ref_ppl"),
                                "kld": kld.value if kld.exact else None, "kld_method": m.get("kld_method"),
                                "kld_ci95": kld.ci95, "top1": m.get("top1_agreement"), "n_tokens": m.get("n_tokens"),
-                               "dtype": m.get("dtype"), "kernel": m.get("wna16_kernel")}
+                               "dtype": m.get("dtype"), "kernel": m.get("wna16_kernel"), "marks": []}
+        engine = shown.quality.engine if shown.quality else None
+        row["marks"] = [mk.key for mk in (engine_mark(view.format, engine, role_of(view.format, engine)),
+                                          DENSE_KERNEL if dense_kernel(m) else None) if mk]
         cross = [r for role, r in shown.others if role == "cross-check"]
         if cross:
             row["cross_check"] = {"engine": cross[0].engine, "ppl": cross[0].metrics.get("ppl"),
@@ -95,9 +98,10 @@ def markdown(table: list[dict[str, Any]], flow_s: float | None, windows: int) ->
         lines.append(f"| {r['variant']} | {r['size_mb']:.1f} | {fmt(r['bpw'], '.3f')} | {fmt(r.get('ppl'), '.4f')} "
                      f"| {fmt(r.get('llama_ppl'), '.4f')} | {fmt(r.get('kld'), '.5g')} "
                      f"| {fmt(r.get('llama_kld'), '.6f')} | {fmt(r.get('top1') and 100 * r['top1'], '.2f')} "
-                     f"| {r.get('engine') or '—'} |")
+                     f"| {r.get('engine') or '—'}{''.join(mark_of(k).symbol for k in r.get('marks', []))} |")
     ref = next((r.get("ref_ppl") for r in table if r.get("ref_ppl")), None)
     lines.append("")
+    lines += [f"{mk.symbol} {mk.text}" for mk in legend(k for r in table for k in r.get("marks", []))]
     lines.append(f"{windows} windows × 512 tokens of eval.txt, positions 257..511 of each scored "
                  f"({windows * 255} tokens); reference PPL {fmt(ref, '.4f')} (transformers, float32)"
                  + (f"; flow {flow_s:.0f} s" if flow_s is not None else "") + f". Note: {WEIGHTS_NOTE}.")

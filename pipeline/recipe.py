@@ -243,7 +243,7 @@ def parse_recipe(data: Any, base: Path) -> tuple[Recipe, list[Plan]]:
     """
     if not isinstance(data, dict):
         raise ConfigError(f"a recipe must be a mapping, found {type(data).__name__}",
-                          hint="see the example at the top of pipeline/recipe.py or docs/operations.md")
+                          hint="see the example at the top of pipeline/recipe.py or docs/distributed.md")
     try:
         recipe = Recipe.model_validate(data)
         plans = [_plan(recipe, entry, base) for entry in recipe.entries()]

@@ -55,9 +55,11 @@ def _cells(row: dict[str, Any], role: str | None = None) -> list[str]:
     mark = engine_mark(fmt, row.get("engine") or None, role or row.get("engine_role") or "engine")
     if mark is not None:
         cells["engine"] += mark.symbol
-    if row.get("speed_kernel"):
-        for k in ("pp_tok_s", "tg_tok_s"):
-            cells[k] += "§" if row.get(k) is not None else ""
+    for kernel, keys in (("speed_kernel", ("pp_tok_s", "tg_tok_s")),
+                         ("quality_kernel", ("ppl", "delta_ppl_pct", "kld", "top1_pct"))):
+        if row.get(kernel):  # a dense-matmul stand-in for vLLM's 4-bit kernel made these figures
+            for k in keys:
+                cells[k] += "§" if cells[k] != "—" else ""
     return [cells[k] for k, _ in COLUMNS]
 
 

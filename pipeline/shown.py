@@ -121,9 +121,9 @@ KLD_LOWER_BOUND = Mark("kld-lower-bound", "†", "≥ KLD is a top-K lower bound
                        "at least this): a result in the cheaper top-K mode, or one stored before exact KLD")
 KLD_ESTIMATE = Mark("kld-estimate", "‡", "≈ KLD is an estimate from vLLM's top-256 log-probs (stored before exact "
                     "KLD), not the full-vocabulary KLD")
-DENSE_KERNEL = Mark("dense-kernel", "§", "speed (or serving latency) with a dense-matmul stand-in for vLLM's 4-bit "
-                    "kernel: Quantyard dequantized the 4-bit weights on this CPU, so it is not the speed of vLLM's own "
-                    "4-bit kernel")
+DENSE_KERNEL = Mark("dense-kernel", "§", "computed with a dense-matmul stand-in for vLLM's 4-bit kernel: Quantyard "
+                    "dequantized the 4-bit weights on this CPU, so a quality figure is that of the dequantized weights "
+                    "in the recorded dtype, and a speed or serving latency is not that of vLLM's own 4-bit kernel")
 CROSS_CHECK = Mark("cross-check", "×", "cross-check: the same files scored by a second engine, shown beside the "
                    "format engine's figures, never in their place")
 OTHER_ENGINE = Mark("other-engine", "°", "measured on an engine that is not this format's own")
@@ -264,7 +264,8 @@ def row_figures(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, str | None
 def table_rows(variants: Sequence[VariantOutcome]) -> list[dict[str, Any]]:
     """The results table (CLI, Prefect artifact, ``compare --json``): one row per variant, unrounded (the
     human table rounds when it prints). Quality keys are :func:`quality_fields`'; ``engine_role`` is
-    :func:`role_of`; ``speed_kernel`` names a dense-matmul stand-in kernel; ``cross_checks`` are other
+    :func:`role_of`; ``speed_kernel`` / ``quality_kernel`` name a dense-matmul stand-in kernel that measured the
+    speed / computed the quality figures; ``cross_checks`` are other
     engines' figures; ``marks`` are the keys of the row's :class:`Mark` s (:func:`mark_of`)."""
     return [_row(v) for v in variants]
 
@@ -276,7 +277,8 @@ def _row(v: VariantOutcome) -> dict[str, Any]:
         "variant": v.variant, "ref": v.ref or "", "format": v.format,
         "size_mb": v.size / 1e6 if v.size else None, "bpw": v.bpw, **quality_fields(v.quality or {}),
         "pp_tok_s": median(s.get("prompt_tok_per_s")), "tg_tok_s": median(s.get("decode_tok_per_s")),
-        "speed_kernel": dense_kernel(s), "engine": v.engine or "", "engine_version": v.engine_version,
+        "speed_kernel": dense_kernel(s), "quality_kernel": dense_kernel(v.quality or {}),
+        "engine": v.engine or "", "engine_version": v.engine_version,
         "engine_role": role, "speed_engine": v.speed_engine, "window_set_id": v.window_set_id,
         "status": v.status if v.eval_status in (None, "ok", "reused") else f"{v.status}, eval {v.eval_status}",
         "cross_checks": [{"engine": c.engine, "engine_version": c.engine_version,
@@ -290,7 +292,8 @@ def row_marks(fmt: str, row: Mapping[str, Any]) -> list[str]:
     """The mark keys a row (and its cross-checks) needs."""
     marks = []
     mark = engine_mark(fmt, row.get("engine") or None, row.get("engine_role") or "engine")
-    for m in (mark, kld_mark(shown_kld(row)), DENSE_KERNEL if row.get("speed_kernel") else None):
+    dense = row.get("speed_kernel") or row.get("quality_kernel")
+    for m in (mark, kld_mark(shown_kld(row)), DENSE_KERNEL if dense else None):
         if m is not None:
             marks.append(m.key)
     for c in row.get("cross_checks") or []:

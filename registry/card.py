@@ -53,12 +53,13 @@ def _metric_rows(view: VersionView) -> tuple[list[dict[str, Any]], list[str]]:
     q, s = picked.quality, picked.speed
     qm, sm = (q.metrics if q else {}), (s.metrics if s else {})
     dense = DENSE_KERNEL.symbol if dense_kernel(sm) else ""
+    dense_q = DENSE_KERNEL.symbol if dense_kernel(qm) else ""
     role = role_of(view.format, q.engine if q else s.engine if s else None)
     engine = next((r for r in (q, s) if r is not None), None)
     marks = [m.key for m in (engine_mark(view.format, engine.engine if engine else None, role),
-                             kld_mark(kld_of(qm)), DENSE_KERNEL if dense else None) if m is not None]
+                             kld_mark(kld_of(qm)), DENSE_KERNEL if dense or dense_q else None) if m is not None]
     row = {"variant": view.variant, "bpw": _fmt((view.lineage.get("info") or {}).get("bpw"), 3),
-           **_quality_cells(qm), "pp": _speed(sm.get("prompt_tok_per_s"), dense),
+           **_quality_cells(qm, dense_q), "pp": _speed(sm.get("prompt_tok_per_s"), dense),
            "tg": _speed(sm.get("decode_tok_per_s"), dense), "engine": _engine(view.format, engine, role)}
     rows = [row]
     for second, r in picked.others:
@@ -69,11 +70,13 @@ def _metric_rows(view: VersionView) -> tuple[list[dict[str, Any]], list[str]]:
     return rows, marks
 
 
-def _quality_cells(m: dict[str, Any]) -> dict[str, str]:
+def _quality_cells(m: dict[str, Any], dense: str = "") -> dict[str, str]:
+    """``dense``: the dense-kernel mark when a stand-in for vLLM's 4-bit kernel computed these figures."""
     lo, hi = m.get("ppl_ci95_low"), m.get("ppl_ci95_high")
     ci = f" (95% CI {lo:.4f}–{hi:.4f})" if isinstance(lo, float) and isinstance(hi, float) else ""
-    return {"ppl": _fmt(m.get("ppl"), 4) + ci, "delta": _fmt(m.get("delta_ppl_pct"), 3),
-            "kld": kld_text(kld_of(m), _kld) or "—", "top1": _fmt(m.get("top1_agreement"), 2, 100.0)}
+    cells = {"ppl": _fmt(m.get("ppl"), 4) + ci, "delta": _fmt(m.get("delta_ppl_pct"), 3),
+             "kld": kld_text(kld_of(m), _kld) or "—", "top1": _fmt(m.get("top1_agreement"), 2, 100.0)}
+    return {k: v + dense if v != "—" else v for k, v in cells.items()}
 
 
 def _speed(x: Any, dense: str) -> str:

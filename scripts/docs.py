@@ -119,11 +119,20 @@ def settings_table(root: Path) -> str:
     """Every setting: its environment variable, default and description (pipeline/config.py)."""
     from pipeline.config import Settings
 
+    from pydantic import AliasChoices
+
     out = ["| variable | default | what |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
-        default = "(computed)" if field.default_factory is not None else repr(field.default)
+        default = field.default
+        computed = field.default_factory is not None or (isinstance(default, str) and default.startswith("/"))
+        shown = "(computed on this machine)" if computed else repr(default)
         desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
-        out.append(f"| `QUANTYARD_{name.upper()}` | `{default}` | {desc} |")
+        alias = field.validation_alias
+        names = [f"QUANTYARD_{name.upper()}"]
+        if isinstance(alias, AliasChoices):  # read from the standard variable (HF_ENDPOINT…) instead
+            names = sorted({str(c).upper() for c in alias.choices})
+        variables = ", ".join(f"`{n}`" for n in names)
+        out.append(f"| {variables} | `{shown}` | {desc} |")
     return "\n".join(out)
 
 

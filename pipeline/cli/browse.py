@@ -104,10 +104,12 @@ def result_line(fmt: str, r: Any, shown: bool) -> tuple[str, list[str]]:
     m, parts = r.metrics, []
     if r.status == "ok" and r.kind == "quality":
         k = kld_of(m)
-        parts = [f"PPL {fmt_number(m.get('ppl'))}", f"ΔPPL {fmt_number(m.get('delta_ppl_pct'))} %",
-                 f"KLD {kld_text(k, fmt_number) or '—'}", f"top-1 {fmt_number(100 * m['top1_agreement'])} %"
-                 if isinstance(m.get("top1_agreement"), int | float) else "top-1 —"]
+        dense = "§" if dense_kernel(m) else ""
+        parts = [f"PPL {fmt_number(m.get('ppl'))}{dense}", f"ΔPPL {fmt_number(m.get('delta_ppl_pct'))}{dense} %",
+                 f"KLD {kld_text(k, fmt_number) or '—'}{dense}", f"top-1 {fmt_number(100 * m['top1_agreement'])}"
+                 f"{dense} %" if isinstance(m.get("top1_agreement"), int | float) else "top-1 —"]
         keys += [km.key] if (km := kld_mark(k)) else []
+        keys += [DENSE_KERNEL.key] if dense else []
     elif r.status == "ok" and r.kind == "speed":
         dense = "§" if dense_kernel(m) else ""
         parts = [f"pp {fmt_number(median(m.get('prompt_tok_per_s')))}{dense} tok/s",

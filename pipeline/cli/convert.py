@@ -136,7 +136,7 @@ class RunFlags:
              "1 = one after another (default), 0 = all of them as far as memory allows, N = at most N.",
         min=0)] = None
     recipe: Annotated[Path | None, typer.Option(
-        help="Recipe YAML (source, formats, eval, policy): see docs/operations.md. Variant and evaluation flags "
+        help="Recipe YAML (source, formats, eval, policy): see docs/distributed.md. Variant and evaluation flags "
              "do not apply.")] = None
     as_json: JsonOpt = False
 

@@ -46,7 +46,7 @@ def require_server() -> str:
     if not url:
         raise ConfigError("no Prefect server is configured (PREFECT_API_URL is unset)",
                           hint="start one (prefect server start) and set PREFECT_API_URL=http://HOST:4200/api; "
-                               "see docs/operations.md")
+                               "see docs/distributed.md")
     return str(url)
 
 

@@ -70,10 +70,16 @@ def _print(target: str, result: dict[str, Any], as_json: bool) -> None:
         return
     from rich.table import Table
 
+    from pipeline.serving_summary import CPU_SCALED_PROFILE
+    from pipeline.shown import CPU_SCALED, DENSE_KERNEL, dense_kernel
+
     m = ServingMetrics.model_validate(result["metrics"])
     p = m.profile
-    title = (f"{target} on {m.server.server} ({m.server.version}) · {p.name} profile, {p.prompt_tokens} prompt / "
-             f"{p.output_tokens} output tokens ({p.tool})")
+    marks = [mk for mk, on in ((CPU_SCALED, p.name == CPU_SCALED_PROFILE),
+                               (DENSE_KERNEL, bool(dense_kernel(m.server.flags)))) if on]
+    sym = "".join(mk.symbol for mk in marks)
+    title = (f"{target} on {m.server.server}{sym} ({m.server.version}) · {p.name} profile, {p.prompt_tokens} "
+             f"prompt / {p.output_tokens} output tokens ({p.tool})")
     table = Table("users / rate", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "ITL p99 ms",
                   "output tok/s", "peak RSS GB", title=title, header_style="bold")
     for lv in m.levels:
@@ -83,6 +89,8 @@ def _print(target: str, result: dict[str, Any], as_json: bool) -> None:
                       f"{lv.output_throughput:,.1f}" if lv.output_throughput else "—",
                       f"{lv.rss_peak_bytes / 1e9:.2f}" if lv.rss_peak_bytes else "—")
     console.print(table)
+    for mk in marks:  # every latency and throughput above carries them (the title's marks)
+        console.print(mk.line, markup=False)
     mem = m.memory
     kv = f", KV cache {mem.kv_cache_bytes / 1e6:,.0f} MB ({mem.kv_cache_source})" if mem.kv_cache_bytes else ""
     console.print(f"memory: weights {mem.weights_bytes / 1e9:.3f} GB, after load "

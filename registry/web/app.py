@@ -28,6 +28,7 @@ from registry.web.cache import ResponseCache
 from registry.web.format import (
     cell_text,
     engine_html,
+    engine_label,
     human_size,
     memory_html,
     metric_cells_html,
@@ -126,7 +127,8 @@ def _templates() -> Jinja2Templates:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(size=human_size, num=number, path=path_quote)
-    env.globals.update(cells_html=metric_cells_html, engine_html=engine_html, cell_text=cell_text,
+    env.globals.update(cells_html=metric_cells_html, engine_html=engine_html, engine_label=engine_label,
+                       cell_text=cell_text,
                        memory_html=memory_html, ms=ms, tok_s=tok_s)
     return Jinja2Templates(env=env)
 

@@ -103,6 +103,10 @@ def cell_text(row: Row, key: str) -> str:
 
 def _shown(row: Row, key: str, v: float) -> tuple[str, str | None, str]:
     """A present figure's text, tooltip and extra CSS classes."""
+    if key in QUALITY_KEYS and row.quality_kernel:  # computed with the dense-matmul stand-in for vLLM's kernel
+        text, title, extra = _shown(row.model_copy(update={"quality_kernel": None}), key, v)
+        said = f"{DENSE_KERNEL.line} ({row.quality_kernel})"
+        return text + DENSE_KERNEL.symbol, f"{title}; {said}" if title else said, extra + " marked"
     if key == "kld":
         k = row.kld_shown
         mark = kld_mark(k)
@@ -136,6 +140,13 @@ def engine_html(row: Row) -> Markup:
     for c in row.cross_checks:
         parts.append(second_html(row.format, c))
     return Markup("".join(parts))  # assembled from escaped parts above
+
+
+def engine_label(row: Row) -> Markup:
+    """The engine of a row with its marker only (a stand-in ``*``, another engine ``°``): a history line. Escaped."""
+    mark = engine_mark(row.format, row.engine, row.engine_role)
+    sym = f'<span class="mark" title="{escape(mark.line)}">{escape(mark.symbol)}</span>' if mark else ""
+    return Markup(f"{escape(row.engine or '')}{sym}")  # assembled from escaped parts
 
 
 def second_html(fmt: str, c: SecondFigure) -> str:

@@ -94,6 +94,7 @@ class Row(BaseModel):
     pp_tok_s: float | None = None
     tg_tok_s: float | None = None
     speed_kernel: str | None = None  # the dense-matmul stand-in for vLLM's 4-bit kernel that measured the speed
+    quality_kernel: str | None = None  # the same, where it computed the quality figures
     engine: str | None = None
     engine_version: str | None = None
     engine_role: str = "engine"  # engine | stand-in | cross-check | other (pipeline.shown.role_of)
@@ -177,7 +178,7 @@ def metric_fields(fmt: str, results: Sequence[ResultView]) -> dict[str, Any]:
         m = quality.metrics
         out.update({k: v for k, v in quality_fields(m).items() if k in Row.model_fields})
         out.update(ppl_se=_se(m), engine=quality.engine, engine_version=quality.engine_version,
-                   window_set_id=quality.window_set_id)
+                   window_set_id=quality.window_set_id, quality_kernel=dense_kernel(m))
     if speed is None:
         out["speed_reason"], out["speed_error"] = _failure(results, "speed")
         if out["speed_reason"] == NOT_EVALUATED and quality is None:

@@ -111,7 +111,7 @@ def test_table_rows_are_unrounded_and_carry_what_checks_delta_ppl() -> None:
     assert row["window_set_id"] == WS1 and row["kld_method"] == "full-vocabulary" and row["kld_kind"] == "exact"
     assert row["delta_ppl_pct"] == pytest.approx(100 * (row["ppl"] / row["ref_ppl"] - 1), rel=1e-12)
     assert row["delta_ppl_pct_ci95_low"] == -0.01 and row["ppl_ci95_high"] == EXACT_PPL * 1.01
-    assert row["speed_kernel"] == DENSE["wna16_kernel"] and row["engine_role"] == "engine"
+    assert row["speed_kernel"] == DENSE["wna16_kernel"] == row["quality_kernel"] and row["engine_role"] == "engine"
     (check,) = row["cross_checks"]
     assert (check["engine"], check["role"], check["kld"]) == ("transformers", "cross-check", 9.87e-4)
     assert set(row["marks"]) == {DENSE_KERNEL.key, CROSS_CHECK.key}
@@ -131,6 +131,7 @@ def test_the_human_table_marks_and_explains_every_labelled_number() -> None:
     text = _render(table_rows([_awq_outcome(), legacy, stand_in]))
     assert "≥0.041†" in text and "0.041 " not in text.replace("≥0.041†", "")  # the bound never shows bare
     assert "1.23e-06" in text and "exl2-reference*" in text and "135.8§" in text and "5,475§" in text
+    assert "1.23e-06§" in text  # vLLM's quality figures, computed with the dense-matmul kernel stand-in
     assert "└ cross-check" in text and "transformers×" in text
     for mark in (KLD_LOWER_BOUND, DENSE_KERNEL, CROSS_CHECK, mark_of("stand-in:exl2:exl2-reference")):
         assert mark.line[:60] in " ".join(text.split()), mark.key

@@ -27,8 +27,9 @@ def _line(text: str, variant: str) -> str:
 
 def test_card_shows_vllm_and_the_transformers_cross_check_as_a_second_row(card_text: str) -> None:
     awq = _line(card_text, "AWQ-W4-G128-asym")
-    assert "| 0.000152 |" in awq and awq.endswith("| vllm vllm 1.0 |")
+    assert "0.000152" in awq and awq.endswith("| vllm vllm 1.0 |")
     assert "135.8§" in awq and "5475.0§" in awq
+    assert "| 0.000152§ |" in awq or "0.000152§" in awq  # quality from the dense-matmul kernel stand-in, marked
     check = _line(card_text, "AWQ-W4-G128-asym (cross-check)")
     assert "| 0.000987 |" in check and "transformers transformers 1.0×" in check
 

@@ -67,13 +67,15 @@ def test_bounds_and_estimates_are_marked_and_exact_values_are_not(server: str) -
     page = HTTP.get(server + "/models/acme/labels").text
     assert _cell(_row(page, "Q4_K_M"), "kld") == "≥4.081e-02†"
     assert _cell(_row(page, "AWQ-W8-legacy"), "kld") == "≈3.300e-05‡"
-    assert "†" not in _cell(_row(page, "AWQ-W4-G128-asym"), "kld")
+    assert "†" not in _cell(_row(page, "AWQ-W4-G128-asym"), "kld") and "§" not in _cell(_row(page, "Q8_0"), "kld")
 
 
 def test_awq_shows_vllm_and_labels_the_transformers_cross_check(server: str) -> None:
     page = HTTP.get(server + "/models/acme/labels").text
     awq = _row(page, "AWQ-W4-G128-asym")
-    assert _cell(awq, "kld") == f"{AWQ_VLLM_KLD:.3e}" and '<span class="engine role-engine">vllm</span>' in awq
+    # its quality figures were computed with the dense-matmul kernel stand-in too: marked like its speeds
+    assert _cell(awq, "kld") == f"{AWQ_VLLM_KLD:.3e}§" and '<span class="engine role-engine">vllm</span>' in awq
+    assert _cell(awq, "ppl").endswith("§")
     second = re.search(r'<div class="second role-cross-check"[^>]*>([^<]*)</div>', awq)
     assert second is not None and second.group(1).startswith("× cross-check on transformers:")
     assert f"KLD {AWQ_TRANSFORMERS_KLD:.3e}" in second.group(1)
@@ -135,6 +137,12 @@ def test_model_page_notes_two_window_sets(server: str) -> None:
     assert note is not None
     assert f"window set {WS1[:12]}, reference" in note.group(1) and ": A, B;" in note.group(1)
     assert f"window set {WS2[:12]}" in note.group(1) and note.group(1).count(": C") == 1
+
+
+def test_the_history_across_versions_marks_a_stand_in_engine(server: str) -> None:
+    page = HTTP.get(server + "/versions/acme/labels/EXL2-4.0bpw-ref").text
+    history = page.split('id="history"')[1].split("</table>")[0]
+    assert 'exl2-reference<span class="mark"' in history and ">*</span>" in history, history
 
 
 def test_version_page_labels_each_result(server: str) -> None:
