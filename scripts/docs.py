@@ -117,9 +117,9 @@ def gpu_status(root: Path) -> str:
 
 def settings_table(root: Path) -> str:
     """Every setting: its environment variable, default and description (pipeline/config.py)."""
-    from pipeline.config import Settings
-
     from pydantic import AliasChoices
+
+    from pipeline.config import Settings
 
     out = ["| variable | default | what |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
