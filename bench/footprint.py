@@ -39,10 +39,10 @@ from pipeline.resources import gib
 from pipeline.specs import SourceKind, SourceRef
 
 
-def plan_of(ckpt: Path, gguf: str, awq: bool, max_windows: int, window: int) -> Plan:
+def plan_of(ckpt: Path, gguf: str, awq: bool, max_windows: int, window: int, exl2: str | None = None) -> Plan:
     extra = (AWQSpec(calibration_samples=16, calibration_seq_len=128, group_size=64),) if awq else ()
     return Plan(source=SourceInput(source=str(ckpt)), model_name="bench",
-                variants=(*variants_from_flags(gguf=gguf), *extra),
+                variants=(*variants_from_flags(gguf=gguf, exl2=exl2), *extra),
                 eval=EvalSpec(max_windows=max_windows, window=window, stride=window, speed=SpeedSpec(enabled=False)))
 
 
@@ -76,6 +76,20 @@ def table(name: str, ckpt: Path, report: dict[str, Any], needs: list[dict[str, A
     return "\n".join(out)
 
 
+def decisions(name: str, ckpt: Path, flight: Any) -> str:
+    """What the pre-flight decided for a plan on this machine: every estimate, the reference and the refusals."""
+    d = flight.as_dict()
+    out = [f"### {name} ({ckpt}): the pre-flight's decisions", "", f"- memory: {flight.memory.describe()}",
+           f"- reference: {d['reference']}", ""]
+    out += ["| stage | ESTIMATE | fits |", "|---|---:|---|"]
+    out += [f"| {n['stage'] or n['what']} ({n['what']}) | {gib(n['memory'])} | {'yes' if n['fits'] else 'NO'} |"
+            for n in d["needs"]]
+    out += ["", *(f"- refused: {fmt}: {why}" for fmt, why in d["refused"].items()),
+            *(f"- disk: {k['where']}: needs {gib(k['needed'])} (ESTIMATE), {gib(k['free'])} free" for k in d["disk"]),
+            *(f"- variants kept: {', '.join(str(v.name) for v in flight.plan.variants)}",)]
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="append", help="demo, real, 8b or a checkpoint folder (repeatable)")
@@ -83,6 +97,9 @@ def main() -> None:
     ap.add_argument("--awq", action="store_true")
     ap.add_argument("--max-windows", type=int, default=4)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--exl2", default=None, help="EXL2 bits per weight to plan too (with --plan-only)")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="only the pre-flight's decisions for this plan on this machine (nothing runs)")
     ap.add_argument("--report", type=Path, help="the JSON report of a run already made (one --model)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -90,11 +107,15 @@ def main() -> None:
     parts = [vs.header(sys.argv, os.getloadavg(), cfg.threads)]
     for name in args.model or ["demo"]:
         ckpt = vs.checkpoint(name, cfg)
-        plan = plan_of(ckpt, args.gguf, args.awq, args.max_windows, args.window)
+        plan = plan_of(ckpt, args.gguf, args.awq, args.max_windows, args.window, args.exl2)
         source = SourceRef(kind=SourceKind.LOCAL, path=str(ckpt), content_hash="footprint")
         checkpoint = load_checkpoint(ckpt, scan_values=False)
         flight = preflight(plan, checkpoint, source, cfg, check=lambda fmt, specs: None)
         needs = flight.as_dict()["needs"]
+        if args.plan_only:
+            parts.append(decisions(name, ckpt, flight))
+            print(parts[-1] + "\n", flush=True)
+            continue
         if args.report is not None:
             report = json.loads(args.report.read_text())
         else:

@@ -31,7 +31,7 @@ from typing import Any
 from converters.base import Footprint
 from converters.checkpoint import Checkpoint, model_facts, read_facts
 from converters.lookup import converter_class
-from evaluators.engines import engines_of, get_evaluator
+from evaluators.engines import engine_for, engines_of, get_evaluator
 from evaluators.reference import choose_reference, reference_need
 from pipeline import resources
 from pipeline.config import Settings
@@ -91,6 +91,14 @@ class Preflight:
                           "items": dict(d.items)} for d in self.disk],
                 "refused": {fmt: exc.summary() for fmt, exc in self.refused.items()},
                 "notes": list(self.notes)}
+
+
+#: What else lowers a format's memory, said in its refusal.
+LOWER = {"awq": ", or calibrate on fewer or shorter samples (--awq-calibration-samples, "
+                "--awq-calibration-seq-len)",
+         "exl2": ", or use the exllamav2 backend on a CUDA GPU (--exl2-backend exllamav2), which works a layer at "
+                 "a time",
+         "gguf": ", or build fewer or smaller types (an evaluation holds a quantized type's repacked weights)"}
 
 
 def settle_reference(plan: Plan, facts: ModelFacts, settings: Settings) -> Plan:
@@ -197,6 +205,8 @@ def _memory(out: Preflight, fmt: str, facts: ModelFacts, foot: Footprint, specs:
     available = out.memory.available
     needs: list[Need] = list(foot.needs)
     engines = engines_of(fmt, plan.eval.cross_check) if plan.eval.enabled else []
+    if engines:  # the engine that will evaluate here: the format's own, or its stand-in where that cannot run
+        engines[0] = engine_for(fmt, settings)[0]
     main = engines[:1]
     skip_cross = False
     for engine in engines:
@@ -218,9 +228,9 @@ def _memory(out: Preflight, fmt: str, facts: ModelFacts, foot: Footprint, specs:
         return None, skip_cross
     top = max(worst, key=lambda n: n.memory)
     label = format_info(fmt).label
-    hint = (f"leave {label} out of this plan (the other formats go on without it), run it on a machine with "
-            f"~{gib(top.memory)} available or on a GPU work pool (quantyard orchestrate), or lower "
-            "the memory it takes (fewer calibration samples for AWQ)")
+    hint = (f"leave {label} out of this plan (the other formats go on without it), or run it on a machine with "
+            f"~{gib(top.memory)} available or on a GPU work pool (quantyard orchestrate)"
+            + LOWER.get(fmt, ""))
     return InsufficientMemoryError(f"{label}: {top.describe()}; {out.memory.describe()}", needed=top.memory,
                                    available=available, hint=hint), skip_cross
 
