@@ -76,3 +76,42 @@ def test_a_run_shows_where_its_stages_are(tmp_path: Path, demo_model: Path) -> N
                                       str(tmp_path / "reg"), "--no-speed", "--max-windows", "2", "--json"],
                                 env={"QUANTYARD_WORK_DIR": str(tmp_path / "work")})
     assert json.loads(report.stdout)["ledger_only"] is True  # a re-run chooses the same reference: all reused
+
+
+def test_the_flow_writes_where_its_stages_are_to_prefects_log(tmp_path: Path, demo_model: Path, cache_dir: Path,
+                                                              prefect_harness: None) -> None:
+    """A long stage's progress also reaches the flow run's log on the Prefect server (the UI shows it), at INFO:
+    what a worker logs by default (the embedded CLI keeps Prefect at WARNING, its console showing progress)."""
+    import asyncio
+    import logging
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    from flows.quantize import convert_flow
+    from pipeline.plan import EvalSpec, Plan, SourceInput, SpeedSpec, variants_from_flags
+    from tests.conftest import make_settings
+
+    cfg = make_settings(tmp_path / "registry", tmp_path / "work", cache_dir)
+    plan = Plan(source=SourceInput(source=str(demo_model)), model_name="logged", variants=variants_from_flags(
+        gguf="Q4_K_M"), eval=EvalSpec(max_windows=2, speed=SpeedSpec(enabled=False)))
+    prefect_logger = logging.getLogger("prefect")
+    level = prefect_logger.level
+    prefect_logger.setLevel(logging.INFO)
+    try:
+        state = convert_flow(plan, cfg, return_state=True)
+    finally:
+        prefect_logger.setLevel(level)
+    assert state.is_completed(), state
+    APILogWorker.drain_all()  # the log worker sends in batches: everything sent before reading
+    run = state.state_details.flow_run_id
+
+    async def read() -> list[str]:
+        async with get_client() as client:
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run])))
+            return [log.message for log in logs]
+
+    messages = asyncio.run(read())
+    assert any(m.startswith("build Q4_K_M: 39/39 tensors (100%)") for m in messages), messages[:50]
+    assert any(m.startswith("evaluate Q4_K_M: 2/2 windows (100%)") for m in messages), messages[:50]
