@@ -179,6 +179,8 @@ class Job:
     windows: int = 64
     window: int = 512
     score_from: int = 257
+    #: the types counted in the disk estimate (llama.cpp's usual six)
+    type_names: tuple[str, ...] = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K")
 
     @property
     def tokens(self) -> int:
@@ -637,6 +639,7 @@ def job_table(fits: dict[str, tuple[LinearFit, LinearFit]], target: Target, job:
                f"{gpu_total:.3g} s (ESTIMATE) |")
     too_big = [r.what for r in rows if not r.fits_ram]
     out += ["", f"- would not fit this machine's RAM (EXTRAPOLATED): {', '.join(too_big) or 'none'}",
+            f"- disk (ESTIMATE, {disk_note(target, job)})",
             f"- GPU memory (ESTIMATE): bf16 reference weights {2 * target.params / GIB:.0f} GiB of "
             f"{gpu.memory_bytes / GIB:.0f} GiB ({'fits' if 2 * target.params < gpu.memory_bytes else 'does NOT fit'}"
             "; activations and logits need room beyond that)",
@@ -644,6 +647,26 @@ def job_table(fits: dict[str, tuple[LinearFit, LinearFit]], target: Target, job:
             f"entry per scored position + 8, vocabulary {target.vocab:,}): "
             f"{(2 * target.vocab + 8) * job.scored / 1e9:.1f} GB; the fits above saw 49,152 entries at most"]
     return "\n".join(out)
+
+
+def disk_note(target: Target, job: Job) -> str:
+    """The job's files on disk, from each GGUF type's bits (converters/gguf/converter.py ``estimated_bytes``, the
+    pre-flight's own estimate) and the stored reference's format."""
+    from converters.gguf.converter import estimated_bytes
+    from pipeline.footprint import ModelFacts
+
+    hidden = 8192 if target.params > 20e9 else 4096
+    facts = ModelFacts(n_params=int(target.params), stored_bytes=int(2 * target.params), dtype="bfloat16",
+                       vocab=target.vocab, hidden=hidden, layers=0, kv_width=0, intermediate=0, largest=0,
+                       embedding_params=2 * target.vocab * hidden)
+    base = estimated_bytes(facts, "F16")
+    types = {t: estimated_bytes(facts, t) for t in job.type_names}
+    store = (2 * target.vocab + 8) * job.scored
+    total = base + sum(types.values()) + store
+    parts = ", ".join(f"{t} {b / 1e9:.0f}" for t, b in types.items())
+    return (f"{total / 1e9:,.0f} GB in all: the F16 base {base / 1e9:.0f}, the six types {parts}, the stored "
+            f"reference {store / 1e9:.1f}; a registry on another filesystem holds the same again, on one "
+            "filesystem the blob store links the files")
 
 
 def header(argv: list[str], load: tuple[float, float, float], threads: int) -> str:
