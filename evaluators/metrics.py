@@ -20,6 +20,22 @@ is a lower bound (merging outcomes never increases KL-divergence), short of the 
 ``kld_topk_lower_bound_mean`` with ``kld_method`` = ``top{K}-lower-bound``, and no ``kld_mean``, so a gate
 written for the exact KLD never passes on it.
 
+**llama-perplexity's statistics, field by field** (:func:`llama_perplexity_stats`): PPL(Q) and PPL(base) with
+their uncertainties, the correlation of their logs, ln(PPL(Q)/PPL(base)), PPL(Q)/PPL(base) and PPL(Q)−PPL(base)
+with theirs; mean KLD ± its uncertainty, maximum, 99.9/99/95/90 %, median, 10/5/1/0.1 % and minimum; the same for
+Δp (plus 75 and 25 %), RMS Δp ± uncertainty, and "same top p" ± uncertainty. Each is computed as
+``tools/perplexity/perplexity.cpp`` of the pinned llama.cpp computes it: its uncertainties are its independent-token
+formulas (``mean_and_uncertainty``, ``covariance``: the ``*_unc`` fields, kept beside, never in place of, the window
+bootstrap's intervals below), its percentiles interpolate linearly between sorted values at ``fraction · (n − 1)``
+(numpy's default), its median is the middle value or the mean of the two middle ones. Where the definitions differ,
+it is in the inputs, not the formulas: llama-perplexity's base is its 16-bit stored log-probs (PPL(base), Δp and the
+base's top token come from the rounded values; here from the reference's float32 log-probs and full-precision top-1),
+and its KLD leaves out the tokens whose base log-prob is below -16 (kept here).
+
+**Beyond llama-perplexity** (:func:`by_confidence`): the mean KLD and "same top p" by the reference's confidence, the
+probability of its top token in five bands (as exllamav3's ``qbench``), and the share of positions in each band: a
+quantization that only loses where the reference was unsure differs from one that loses where it was sure.
+
 **Uncertainty.** Tokens of one window are correlated, so standard errors and 95 % intervals of PPL,
 ΔPPL, ln(PPL ratio) and KLD come from a bootstrap over whole windows (:func:`window_bootstrap`:
 ``BOOTSTRAP_RESAMPLES`` resamples of the windows with replacement, fixed seed), not from the
@@ -28,13 +44,19 @@ independent-token formula. ``ci_method`` says so.
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 BOOTSTRAP_RESAMPLES = 2000
+#: Resamples of the tail percentiles' intervals (each one sorts its resample: fewer than the means' 2000)
+PERCENTILE_RESAMPLES = 400
+#: The KLD percentiles a policy may gate (pipeline/policy.py), with a window-bootstrap interval each.
+GATED_PERCENTILES = (("p99", 99.0), ("p999", 99.9))
 BOOTSTRAP_SEED = 0
 CI_METHOD = f"bootstrap over windows ({BOOTSTRAP_RESAMPLES} resamples, 95 % percentile interval)"
 
@@ -164,6 +186,91 @@ def topk_lower_bound(ref: dict[str, np.ndarray], q: dict[str, np.ndarray]) -> np
     return kld_per_position(ref["topk_logprobs"], ref["tail_logprob"], q["at_ref_logprobs"], q["at_ref_tail"])
 
 
+#: llama-perplexity's KLD percentiles (its printed order: maximum first), as fractions and as field suffixes.
+KLD_PERCENTILES = ((0.999, "p999"), (0.99, "p99"), (0.95, "p95"), (0.90, "p90"), (0.10, "p10"), (0.05, "p5"),
+                   (0.01, "p1"), (0.001, "p01"))
+#: llama-perplexity's Δp percentiles (KLD's, plus 75 % and 25 %).
+DELTA_P_PERCENTILES = ((0.999, "p999"), (0.99, "p99"), (0.95, "p95"), (0.90, "p90"), (0.75, "p75"), (0.25, "p25"),
+                       (0.10, "p10"), (0.05, "p5"), (0.01, "p1"), (0.001, "p01"))
+#: The reference's confidence bands of :func:`by_confidence`: the probability of its top token.
+CONFIDENCE_BANDS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def _mean_and_unc(x: np.ndarray) -> tuple[float, float]:
+    """llama-perplexity's ``mean_and_uncertainty``: the mean and sqrt(var / (n − 1)), 0 for ten values or fewer."""
+    n = x.size
+    mean = float(x.sum() / n)
+    var = float((x * x).sum() / n - mean * mean)
+    return mean, math.sqrt(var / (n - 1)) if var > 0 and n > 10 else 0.0
+
+
+def _cov(a: np.ndarray, b: np.ndarray) -> float:
+    """llama-perplexity's ``covariance`` of two per-token series (0 below ten values)."""
+    n = a.size
+    if n < 10:
+        return 0.0
+    return float(((a * b).sum() / n - (a.sum() / n) * (b.sum() / n)) / (n - 1))
+
+
+def _spread(x: np.ndarray, prefix: str, fractions: tuple[tuple[float, str], ...]) -> dict[str, float]:
+    """Maximum, percentiles, median and minimum of ``x`` as llama-perplexity prints them."""
+    s = np.sort(np.asarray(x, dtype=np.float64))
+    out = {f"{prefix}_max": float(s[-1]), f"{prefix}_median": float(np.median(s)), f"{prefix}_min": float(s[0])}
+    out.update({f"{prefix}_{name}": float(np.percentile(s, 100 * f)) for f, name in fractions})
+    return out
+
+
+def llama_perplexity_stats(ref: dict[str, np.ndarray], q: dict[str, np.ndarray], kld: np.ndarray) -> dict[str, float]:
+    """Every statistic ``llama-perplexity --kl-divergence`` prints, with its definitions (module docstring), from
+    the per-position target log-probs, top-1 ids and exact KLDs. Keys: ``ppl``/``ref_ppl`` with ``*_unc``,
+    ``ln_ppl_cor``, ``ln_ppl_ratio_unc``, ``ppl_ratio`` (±), ``ppl_diff`` (±), ``kld_mean_unc`` and KLD's spread
+    (``kld_p999`` … ``kld_min``), ``delta_p_mean_unc``, Δp's spread (``delta_p_max`` … ``delta_p_min``),
+    ``delta_p_rms_unc``, ``top1_agreement_unc``."""
+    nll = -np.asarray(q["target_logprob"], np.float64)
+    nll_base = -np.asarray(ref["target_logprob"], np.float64)
+    log_ppl, log_ppl_unc = _mean_and_unc(nll)
+    log_base, log_base_unc = _mean_and_unc(nll_base)
+    cov = _cov(nll, nll_base)
+    ppl, ppl_base = math.exp(log_ppl), math.exp(log_base)
+    ratio_ln = log_ppl - log_base
+    ratio_ln_unc = math.sqrt(max(0.0, log_ppl_unc ** 2 + log_base_unc ** 2 - 2.0 * cov))
+    ppl_unc, base_unc = ppl * log_ppl_unc, ppl_base * log_base_unc
+    out = {"ppl_unc": ppl_unc, "ref_ppl_unc": base_unc,
+           "ln_ppl_cor": cov / (log_ppl_unc * log_base_unc) if log_ppl_unc and log_base_unc else float("nan"),
+           "ln_ppl_ratio_unc": ratio_ln_unc, "ppl_ratio": math.exp(ratio_ln),
+           "ppl_ratio_unc": math.exp(ratio_ln) * ratio_ln_unc, "ppl_diff": ppl - ppl_base,
+           "ppl_diff_unc": math.sqrt(max(0.0, ppl_unc ** 2 + base_unc ** 2 - 2.0 * ppl * ppl_base * cov))}
+    k = np.asarray(kld, np.float64)
+    out["kld_mean_unc"] = _mean_and_unc(k)[1]
+    out.update(_spread(k, "kld", KLD_PERCENTILES))
+    p_diff = np.exp(-nll) - np.exp(-nll_base)
+    out["delta_p_mean_unc"] = _mean_and_unc(p_diff)[1]
+    out.update(_spread(p_diff, "delta_p", DELTA_P_PERCENTILES))
+    mse, mse_unc = _mean_and_unc(p_diff * p_diff)
+    out["delta_p_rms_unc"] = 0.5 / math.sqrt(mse) * mse_unc if mse > 0 else 0.0
+    n = k.size
+    same = float((np.asarray(ref["top1"]) == np.asarray(q["top1"])).mean())
+    out["top1_agreement_unc"] = math.sqrt(same * (1.0 - same) / (n - 1)) if n > 1 else float("nan")
+    return out
+
+
+def by_confidence(ref: dict[str, np.ndarray], q: dict[str, np.ndarray], kld: np.ndarray) -> list[dict[str, Any]]:
+    """Mean KLD and "same top p" by the reference's confidence (the probability of its top token) in the bands of
+    :data:`CONFIDENCE_BANDS`, each with its share of the positions; an empty band has ``n`` 0 and no means."""
+    conf = np.exp(np.asarray(ref["topk_logprobs"], np.float64)[:, 0])
+    same = np.asarray(ref["top1"]) == np.asarray(q["top1"])
+    k = np.asarray(kld, np.float64)
+    out = []
+    edges = CONFIDENCE_BANDS
+    for i, (lo, hi) in enumerate(itertools.pairwise(edges)):
+        inside = (conf >= lo) & ((conf < hi) if i < len(edges) - 2 else (conf <= hi))
+        n = int(inside.sum())
+        out.append({"band": f"{lo:.1f}-{hi:.1f}", "n": n, "share": n / max(1, k.size),
+                    "kld_mean": float(k[inside].mean()) if n else None,
+                    "top1_agreement": float(same[inside].mean()) if n else None})
+    return out
+
+
 def compare(ref: dict[str, np.ndarray], q: dict[str, np.ndarray], window_sizes: np.ndarray | None = None,
             ) -> dict[str, Any]:
     """All metrics of a variant's runner output ``q`` against the reference ``ref`` (both as saved by the
@@ -194,7 +301,15 @@ def compare(ref: dict[str, np.ndarray], q: dict[str, np.ndarray], window_sizes: 
     out.update(kld_summary(kld, prefix))
     out["top1_agreement"] = top1_agreement(ref["top1"], q["top1"])
     out.update(delta_p(ref["target_logprob"], q["target_logprob"]))
+    started = time.perf_counter()
+    if prefix == "kld":  # llama-perplexity's statistics are of the exact KLD; a bound gets none of them
+        out.update(llama_perplexity_stats(ref, q, kld))
+        if "topk_logprobs" in ref:
+            out["kld_by_confidence"] = by_confidence(ref, q, kld)
+    spent = time.perf_counter() - started
     out.update(_bootstrap(ref, q, kld, prefix, sizes))
+    # what llama-perplexity's statistics, the confidence bands and the tail intervals cost (bench/stats_cost.py)
+    out["statistics_s"] = spent + float(out.pop("_percentile_intervals_s", 0.0))
     return out
 
 
@@ -212,4 +327,30 @@ def _bootstrap(ref: dict[str, np.ndarray], q: dict[str, np.ndarray], kld: np.nda
     out.update(ln_ppl_ratio_se=se, delta_ppl_pct_ci95_low=lo, delta_ppl_pct_ci95_high=hi)
     se, lo, hi = _interval(boot["kld"])
     out.update({f"{prefix}_se": se, f"{prefix}_ci95_low": lo, f"{prefix}_ci95_high": hi})
+    if prefix == "kld":
+        started = time.perf_counter()
+        out.update(percentile_intervals(kld, sizes))
+        out["_percentile_intervals_s"] = time.perf_counter() - started
+    return out
+
+
+def percentile_intervals(values: np.ndarray, sizes: np.ndarray, resamples: int = PERCENTILE_RESAMPLES,
+                         seed: int = BOOTSTRAP_SEED) -> dict[str, float | None]:
+    """95 % window-bootstrap intervals of the gated KLD percentiles (:data:`GATED_PERCENTILES`): ``kld_p99_ci95_low``
+    and ``…_high``, so that a gate on a tail is inconclusive where its limit lies inside the interval, as one on
+    the mean is. None with one window."""
+    v = np.asarray(values, dtype=np.float64)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    keys = [f"kld_{name}_ci95_{side}" for name, _ in GATED_PERCENTILES for side in ("low", "high")]
+    if len(sizes) < 2:
+        return dict.fromkeys(keys)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    windows = [v[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
+    idx = np.random.default_rng(seed).integers(0, len(sizes), size=(resamples, len(sizes)))
+    qs = [q for _, q in GATED_PERCENTILES]
+    samples = np.array([np.percentile(np.concatenate([windows[i] for i in row]), qs) for row in idx])
+    out: dict[str, float | None] = {}
+    for j, (name, _) in enumerate(GATED_PERCENTILES):
+        lo, hi = np.percentile(samples[:, j], [2.5, 97.5])
+        out[f"kld_{name}_ci95_low"], out[f"kld_{name}_ci95_high"] = float(lo), float(hi)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import EngineError
@@ -27,7 +27,8 @@ PRINTED_DECIMALS = 6
 
 @dataclass(frozen=True)
 class LlamaKLD:
-    """What ``llama-perplexity --kl-divergence`` printed (values as printed, 6 decimals)."""
+    """What ``llama-perplexity --kl-divergence`` printed (values as printed, 6 decimals); ``stats``: every statistic
+    it printed (:func:`printed_statistics`)."""
 
     ppl: float
     ppl_base: float
@@ -35,6 +36,7 @@ class LlamaKLD:
     kld_median: float
     same_top_pct: float
     wall_s: float
+    stats: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 ATTEMPTS = 8
@@ -87,7 +89,44 @@ def kl_divergence(tools: LlamaCppToolchain, model: Path, base_file: Path, *, thr
             raise EngineError(f"llama-perplexity --kl-divergence printed no {key}", engine="llama.cpp",
                               stderr_tail=out[-3000:])
         found[key] = float(m.group(1))
-    return LlamaKLD(wall_s=wall, **found)
+    return LlamaKLD(wall_s=wall, stats=printed_statistics(out), **found)
+
+
+#: Every statistic ``llama-perplexity --kl-divergence`` prints (tools/perplexity/perplexity.cpp of the pinned
+#: llama.cpp), by its label, as Quantyard's quality-metric key (evaluators/metrics.py) and the scale from what is
+#: printed to that key's unit (percentages are printed ×100). A ``± x`` after a value is the key's ``*_unc``.
+PRINTED: tuple[tuple[str, str, float], ...] = (
+    (r"Mean PPL\(Q\)\s*", "ppl", 1.0), (r"Mean PPL\(base\)\s*", "ref_ppl", 1.0),
+    (r"Cor\(ln\(PPL\(Q\)\), ln\(PPL\(base\)\)\)", "ln_ppl_cor", 0.01),
+    (r"Mean ln\(PPL\(Q\)/PPL\(base\)\)\s*", "ln_ppl_ratio", 1.0),
+    (r"Mean PPL\(Q\)/PPL\(base\)\s*", "ppl_ratio", 1.0), (r"Mean PPL\(Q\)-PPL\(base\)\s*", "ppl_diff", 1.0),
+    (r"Mean\s+KLD", "kld_mean", 1.0), (r"Maximum KLD", "kld_max", 1.0), (r"99\.9%\s+KLD", "kld_p999", 1.0),
+    (r"99\.0%\s+KLD", "kld_p99", 1.0), (r"95\.0%\s+KLD", "kld_p95", 1.0), (r"90\.0%\s+KLD", "kld_p90", 1.0),
+    (r"Median\s+KLD", "kld_median", 1.0), (r"10\.0%\s+KLD", "kld_p10", 1.0), (r" 5\.0%\s+KLD", "kld_p5", 1.0),
+    (r" 1\.0%\s+KLD", "kld_p1", 1.0), (r" 0\.1%\s+KLD", "kld_p01", 1.0), (r"Minimum KLD", "kld_min", 1.0),
+    (r"Mean\s+Δp", "delta_p_mean", 0.01), (r"Maximum Δp", "delta_p_max", 0.01), (r"99\.9%\s+Δp", "delta_p_p999", 0.01),
+    (r"99\.0%\s+Δp", "delta_p_p99", 0.01), (r"95\.0%\s+Δp", "delta_p_p95", 0.01), (r"90\.0%\s+Δp", "delta_p_p90", 0.01),
+    (r"75\.0%\s+Δp", "delta_p_p75", 0.01), (r"Median\s+Δp", "delta_p_median", 0.01),
+    (r"25\.0%\s+Δp", "delta_p_p25", 0.01), (r"10\.0%\s+Δp", "delta_p_p10", 0.01), (r" 5\.0%\s+Δp", "delta_p_p5", 0.01),
+    (r" 1\.0%\s+Δp", "delta_p_p1", 0.01), (r" 0\.1%\s+Δp", "delta_p_p01", 0.01), (r"Minimum Δp", "delta_p_min", 0.01),
+    (r"RMS Δp\s*", "delta_p_rms", 0.01), (r"Same top p", "top1_agreement", 0.01),
+)
+_NUMBER = r"(-?[0-9]+\.([0-9]+))"
+
+
+def printed_statistics(output: str) -> dict[str, tuple[float, float]]:
+    """Every statistic of :data:`PRINTED` in a ``llama-perplexity --kl-divergence`` output, as Quantyard's key →
+    (value in the key's unit, half a unit of its last printed digit in the same unit: how precisely it is known);
+    an uncertainty printed after ``±`` as ``KEY_unc``. Lines it did not print are left out."""
+    out: dict[str, tuple[float, float]] = {}
+    for label, key, scale in PRINTED:
+        m = re.search(rf"^{label}\s*:\s*{_NUMBER}(?:\s*±\s*{_NUMBER})?", output, re.M)
+        if m is None:
+            continue
+        out[key] = (float(m.group(1)) * scale, 0.5 * 10.0 ** -len(m.group(2)) * scale)
+        if m.group(3) is not None:
+            out[f"{key}_unc"] = (float(m.group(3)) * scale, 0.5 * 10.0 ** -len(m.group(4)) * scale)
+    return out
 
 
 #: The relative agreement asked of a KLD compared with llama-perplexity's: 1 %, and 2 % below a mean KLD of 1e-4
