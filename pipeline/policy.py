@@ -31,22 +31,54 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from pipeline.errors import ConfigError, InvalidSpecError
 from pipeline.formats import parse_variant_spec
 from pipeline.results import kld_of
+from pipeline.shown import LLAMA_LINES
 from pipeline.specs import Frozen, bits_class
 
 #: The checks of :class:`QualityLimits`: (metric of a quality result, limit field, the limit is a maximum).
 QUALITY_CHECKS: tuple[tuple[str, str, bool], ...] = (
-    ("kld_mean", "max_kld", True), ("delta_ppl_pct", "max_delta_ppl_pct", True), ("top1_agreement", "min_top1", False))
+    ("kld_mean", "max_kld", True), ("delta_ppl_pct", "max_delta_ppl_pct", True), ("top1_agreement", "min_top1", False),
+    ("kld_p99", "max_kld_p99", True), ("kld_p999", "max_kld_p999", True), ("kld_max", "max_kld_max", True),
+    ("delta_p_rms", "max_delta_p_rms", True))
+#: The statistics ``max_stats`` / ``min_stats`` may limit: every one llama-perplexity prints (pipeline.shown).
+STATISTICS = frozenset(key for _, key, _ in LLAMA_LINES)
+
+
+def _exact_only(metric: str) -> bool:
+    """A statistic of the exact KLD's distribution: a result without the exact KLD (a top-K bound) has none."""
+    return metric.startswith("kld_")
 
 
 class QualityLimits(Frozen):
+    """Limits on a quality result. Beyond the mean KLD, ΔPPL and top-1, the tails of the exact KLD (its 99th and
+    99.9th percentiles and maximum, as llama-perplexity prints them: Unsloth's comparisons rank by the 99.9 %) and
+    the RMS of Δp (the change in the correct token's probability); none of these is set by default."""
+
     max_kld: float | None = Field(default=None, ge=0)
     max_delta_ppl_pct: float | None = None
     min_top1: float | None = Field(default=None, ge=0, le=1)
+    max_kld_p99: float | None = Field(default=None, ge=0)
+    max_kld_p999: float | None = Field(default=None, ge=0)
+    max_kld_max: float | None = Field(default=None, ge=0)
+    max_delta_p_rms: float | None = Field(default=None, ge=0, le=1)
+    #: Any other of llama-perplexity's statistics (pipeline.shown.LLAMA_LINES keys, as stored: fractions, not
+    #: percentages), e.g. ``{kld_p95: 0.2, delta_p_p01: -0.3}``: an upper limit each, or a lower one in
+    #: ``min_stats``.
+    max_stats: dict[str, float] = Field(default_factory=dict)
+    min_stats: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("max_stats", "min_stats")
+    @classmethod
+    def _known(cls, value: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(value) - STATISTICS)
+        if unknown:
+            raise ValueError(f"unknown statistic(s) {', '.join(unknown)}: expected some of "
+                             f"{', '.join(sorted(STATISTICS))}")
+        return value
 
     def problems(self, quality: Mapping[str, Any]) -> list[str]:
         """What in ``quality`` (a quality result's metrics) breaks these limits, one line each. The one
@@ -82,28 +114,35 @@ class QualityLimits(Frozen):
 
     def _pairs(self, quality: Mapping[str, Any]) -> list[tuple[str, str, bool, float, float | None]]:
         out = []
-        for metric, field, is_max in QUALITY_CHECKS:
-            bound = getattr(self, field)
+        checks = [*((metric, field, is_max, getattr(self, field)) for metric, field, is_max in QUALITY_CHECKS),
+                  *((key, f"max_stats.{key}", True, bound) for key, bound in self.max_stats.items()),
+                  *((key, f"min_stats.{key}", False, bound) for key, bound in self.min_stats.items())]
+        for metric, field, is_max, bound in checks:
             if bound is None:
                 continue
-            value = kld_of(dict(quality)).value if metric == "kld_mean" and kld_of(dict(quality)).exact \
-                else (None if metric == "kld_mean" else quality.get(metric))
+            exact = kld_of(dict(quality)).exact
+            if metric == "kld_mean":
+                value = kld_of(dict(quality)).value if exact else None
+            else:
+                value = quality.get(metric) if exact or not _exact_only(metric) else None
             out.append((metric, field, is_max, bound, value))
         return out
 
     @staticmethod
     def _missing(metric: str, field: str, bound: float, quality: Mapping[str, Any]) -> str:
-        if metric == "kld_mean":
+        if _exact_only(metric):
             kld = kld_of(dict(quality))
-            if kld.value is not None:
-                return (f"kld_mean missing: this result has only a {kld.method} ({kld.value:.6g}), and {field} "
+            if kld.value is not None and not kld.exact:
+                return (f"{metric} missing: this result has only a {kld.method} ({kld.value:.6g}), and {field} "
                         f"{bound:.6g} is a limit on the exact full-vocabulary KLD; evaluate with the exact KLD")
         return f"{metric} missing (needed by {field} {bound:.6g})"
 
 
 #: Where each gated metric's 95 % interval is (evaluators.metrics: window bootstrap).
 _CI_KEYS = {"kld_mean": ("kld_ci95_low", "kld_ci95_high"),
-            "delta_ppl_pct": ("delta_ppl_pct_ci95_low", "delta_ppl_pct_ci95_high")}
+            "delta_ppl_pct": ("delta_ppl_pct_ci95_low", "delta_ppl_pct_ci95_high"),
+            "kld_p99": ("kld_p99_ci95_low", "kld_p99_ci95_high"),
+            "kld_p999": ("kld_p999_ci95_low", "kld_p999_ci95_high")}
 
 
 def _ci(metric: str, quality: Mapping[str, Any]) -> tuple[float, float] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from pipeline.policy import DEFAULT_CLASSES, DEFAULT_TYPES, PUBLISHED, Policy, QualityLimits, quant_class
 from pipeline.results import KLD_EXACT as EXACT
@@ -47,6 +48,33 @@ def test_gate_lines_show_the_interval_and_say_when_it_straddles_the_limit() -> N
     kld, dppl = limits.lines(q)
     assert kld == "kld_mean 0.045 [95 % CI 0.04–0.052] ≤ 0.05: ok (inconclusive: the limit lies inside the interval)"
     assert dppl == "delta_ppl_pct 2 [95 % CI 1.5–2.6] ≤ 5: ok"
+
+
+def test_the_kld_tail_is_gated_with_its_interval_and_only_on_the_exact_kld() -> None:
+    """Limits on the exact KLD's 99th and 99.9th percentiles and maximum, and on RMS Δp: a pass, a failure, an
+    inconclusive tail (its window-bootstrap interval holds the limit), and a top-K bound that has no tail."""
+    limits = QualityLimits(max_kld_p99=0.3, max_kld_p999=0.8, max_kld_max=2.0, max_delta_p_rms=0.05)
+    q = {"kld_mean": 0.05, "kld_method": EXACT, "kld_p99": 0.25, "kld_p99_ci95_low": 0.21, "kld_p99_ci95_high": 0.32,
+         "kld_p999": 0.9, "kld_p999_ci95_low": 0.85, "kld_p999_ci95_high": 0.97, "kld_max": 1.5, "delta_p_rms": 0.04}
+    assert limits.problems(q) == ["kld_p999 0.9 > max_kld_p999 0.8"]
+    p99, p999, _, rms = limits.lines(q)
+    assert p99 == ("kld_p99 0.25 [95 % CI 0.21–0.32] ≤ 0.3: ok (inconclusive: the limit lies inside the interval)")
+    assert p999 == "kld_p999 0.9 [95 % CI 0.85–0.97] ≤ 0.8: FAIL" and rms == "delta_p_rms 0.04 ≤ 0.05: ok"
+    bound = {"kld_topk_lower_bound_mean": 0.001, "kld_topk_lower_bound_p99": 0.01, "kld_method": "top32-lower-bound",
+             "delta_p_rms": 0.01}
+    problems = QualityLimits(max_kld_p99=0.3).problems(bound)
+    assert len(problems) == 1 and problems[0].startswith("kld_p99 missing: this result has only a top32-lower-bound")
+
+
+def test_any_printed_statistic_can_be_limited_and_a_misspelt_one_is_refused() -> None:
+    limits = QualityLimits(max_stats={"kld_p95": 0.2}, min_stats={"delta_p_p01": -0.3})
+    q = {"kld_mean": 0.05, "kld_method": EXACT, "kld_p95": 0.25, "delta_p_p01": -0.2}
+    assert limits.problems(q) == ["kld_p95 0.25 > max_stats.kld_p95 0.2"]
+    assert limits.lines(q) == ["kld_p95 0.25 ≤ 0.2: FAIL", "delta_p_p01 -0.2 ≥ -0.3: ok"]
+    assert limits.problems({"kld_topk_lower_bound_mean": 0.01, "kld_method": "top32-lower-bound"})[0] \
+        .startswith("kld_p95 missing: this result has only a top32-lower-bound")
+    with pytest.raises(ValidationError, match=r"unknown statistic.*kld_p97"):
+        QualityLimits(max_stats={"kld_p97": 0.1})
 
 
 def test_default_limits_are_the_published_llama3_figures_with_a_margin() -> None:
