@@ -187,6 +187,55 @@ def _refusal(spec: EvalSpec, need: Need, memory: Memory, facts: ModelFacts,
                                    available=memory.available, hint="options: " + "; ".join(options))
 
 
+def noise_floor_engine(spec: EvalSpec, facts: ModelFacts, memory: Memory,
+                       has_gguf_base: bool) -> tuple[str | None, str]:
+    """Which second unquantized run measures the noise floor against the reference of the settled ``spec``, and
+    why (or why none): the other of the two engines that run the unquantized model on a CPU, so that the two differ
+    in arithmetic only (not in the weights: a bf16 source's BF16 base holds its weights exactly; an fp32 source's
+    F16 base rounds them, which the floor then includes, as llama-perplexity's F16 base does). Against transformers,
+    llama.cpp on the GGUF base where the run builds one (its base already exists); against llama.cpp, transformers
+    float32 where it fits comfortably. None otherwise (a vLLM or GPU reference, or no room: said in the reason)."""
+    if spec.reference_engine == "transformers" and spec.reference_device == "cpu":
+        if has_gguf_base:
+            return "llama.cpp", "llama.cpp on the GGUF base against the transformers reference"
+        return None, "no noise floor: the run builds no GGUF base to run on llama.cpp (add a GGUF type)"
+    if spec.reference_engine == "llama.cpp":
+        fp32 = spec.model_copy(update={"reference_engine": "transformers", "reference_dtype": "float32",
+                                       "reference_device": "cpu"})
+        need = reference_need(fp32, facts)
+        if need.memory <= memory.available * COMFORT:
+            return "transformers", "transformers float32 on the checkpoint against the llama.cpp reference"
+        return None, (f"no noise floor: the second run, transformers float32, would need ~{gib(need.memory)} "
+                      f"(ESTIMATE), {memory.describe()}")
+    return None, f"no noise floor for a {spec.reference_engine} reference on {spec.reference_device}"
+
+
+def noise_floor_key(reference_key_: str, engine: str) -> str:
+    return hashlib.sha256(json.dumps({"reference": reference_key_, "floor": engine}).encode()).hexdigest()
+
+
+def run_noise_floor(engine: str, checkpoint: Path, model_file: Path | None, windows: Path, reference: Path,
+                    out_dir: Path, spec: EvalSpec, settings: Settings, env: dict[str, str] | None = None,
+                    ) -> dict[str, Any]:
+    """The second unquantized run (``engine``: llama.cpp on ``model_file``, the GGUF base; or transformers float32
+    on ``checkpoint``) scored against the stored reference, as a variant is: its quality metrics."""
+    from evaluators.base import quality_request, score
+
+    common = {"windows": str(windows), **quality_request(reference, spec), "threads": settings.threads}
+    if engine == "llama.cpp":
+        if model_file is None:
+            raise InvalidSpecError("the llama.cpp noise floor needs the GGUF base", hint="the flow prepares it")
+        cmd = RunnerCommand(engine=Engine.LLAMA_CPP, python=settings.core_python, module=LLAMA_CPP_RUNNER,
+                            env=dict(env or {}))
+        request = {"model": str(model_file), **common}
+    else:
+        cmd = RunnerCommand(engine=Engine.TRANSFORMERS, python=settings.core_python, module=RUNNER)
+        request = {"model": str(checkpoint), **common, "dtype": "float32", "device": "cpu", "batch_size": 1}
+    out = run_engine(cmd, request, out_dir, settings)
+    metrics = score(reference, out, cmd.engine, windows)
+    return {**metrics, "engine": engine, "engine_version": out.result.get("engine_version")}
+
+
 def gguf_reference_type(spec: EvalSpec) -> str:
     """The GGUF type the llama.cpp reference runs (``auto``, F32, F16 or BF16). Raises InvalidSpecError."""
     dtype = spec.reference_dtype

@@ -71,6 +71,8 @@ class StageRequest(Frozen):
     registry: str | None = None
     blobs: str | None = None
     pool: str = "cpu"
+    #: The reference stage: the run builds a GGUF base, on which llama.cpp can measure the noise floor.
+    gguf_base: bool = False
 
     def outcome(self, status: StageStatus, **facts: Any) -> StageOutcome:
         """This stage's outcome (:class:`StageOutcome`) with ``status`` and the given facts."""
@@ -136,6 +138,9 @@ class RegisterOutputs(StageOutputs):
 class ReferenceOutputs(StageOutputs):
     window_set: MetaBlob
     reference: MetaBlob
+    #: The noise floor's summary (evaluators/reference.py ``run_noise_floor``), or why there is none; None in
+    #: records written before it was measured.
+    noise_floor: dict[str, Any] | None = None
 
 
 class EvaluateOutputs(StageOutputs):
@@ -197,7 +202,7 @@ def _prepare_spec(fmt: str, plan: Plan, specs: list[Any]) -> dict[str, Any]:
 
 #: EvalSpec fields that are not part of any stage's key: why an automatic reference was chosen (it names the
 #: memory available at the time) says how the engine was chosen, not what the reference computes.
-UNKEYED_EVAL = frozenset({"reference_reason"})
+UNKEYED_EVAL = frozenset({"reference_reason", "noise_floor"})
 
 
 def _eval_spec(plan: Plan) -> dict[str, Any]:
@@ -250,7 +255,8 @@ def build_graph(plan: Plan, identity: str, placement: Placement, target: dict[st
             graph.add(reg, (build.name,))
             registered.append((fmt, spec, reg))
     if plan.eval.enabled:
-        ref = request("reference", "reference", _eval_spec(plan), [], placement.for_reference(plan.eval), bare, up)
+        ref = request("reference", "reference", _eval_spec(plan), [], placement.for_reference(plan.eval), bare, up,
+                      gguf_base=any(str(s.format) == "gguf" for s in plan.variants))
         graph.add(ref, ("resolve",))
         for fmt, spec, reg in registered:
             one = plan.model_copy(update={"variants": (spec,)})
@@ -420,6 +426,7 @@ def report(plan: Plan, source: SourceRef, graph: Graph, outcomes: dict[str, Stag
     evidence = reference.outputs() if reference is not None else None
     if evidence is not None:
         out.window_set, out.reference = evidence.window_set.meta, evidence.reference.meta
+        out.noise_floor = evidence.noise_floor
     out.variants = [_variant(spec, graph, outcomes, out, reg) for spec in plan.variants]
     return out
 

@@ -387,7 +387,9 @@ def _reference_body(ctx: StageContext) -> tuple[ReferenceOutputs, Who]:
     spec = ctx.request.plan.eval
     with ctx.watch:
         windows, ws_meta, built = steps.ensure_window_set(ctx.settings, resolved, spec)
-        _, ref_meta, computed = steps.ensure_reference(ctx.settings, resolved, windows, ws_meta, spec)
+        ref_path, ref_meta, computed = steps.ensure_reference(ctx.settings, resolved, windows, ws_meta, spec)
+        floor = steps.ensure_noise_floor(ctx.settings, resolved, windows, ws_meta, ref_path, spec,
+                                         ctx.request.plan.gguf.base_type if ctx.request.gguf_base else None)
     ws_art = next(a for a in ctx.reg.list_source_artifacts(resolved.source.identity, "window_set")
                   if a.meta.get("id") == ws_meta["id"])
     ref_art = ctx.reg.find_source_artifact(resolved.source, "reference", reference_key(str(ws_meta["id"]), spec))
@@ -395,7 +397,7 @@ def _reference_body(ctx: StageContext) -> tuple[ReferenceOutputs, Who]:
     events = (["window_set"] if built else []) + (["reference"] if computed else [])
     outputs = ReferenceOutputs(window_set=MetaBlob(sha256=ws_art.sha256, size=ws_art.size, meta=ws_meta),
                                reference=MetaBlob(sha256=ref_art.sha256, size=ref_art.size, meta=ref_meta),
-                               events=events)
+                               noise_floor=floor, events=events)
     return outputs, _who(resolved)
 
 

@@ -375,6 +375,55 @@ def ensure_reference(settings: Settings, resolved: Resolved, windows: Path, ws_m
     return reg.artifact_path(art), art.meta, True
 
 
+#: What the noise floor's summary keeps of its quality metrics (a registry artifact's meta and the report).
+FLOOR_FIELDS = ("kld_mean", "kld_ci95_low", "kld_ci95_high", "kld_p99", "kld_p999", "kld_max", "top1_agreement",
+                "ppl", "ref_ppl", "delta_ppl_pct", "kld_method")
+
+
+def ensure_noise_floor(settings: Settings, resolved: Resolved, windows: Path, ws_meta: dict[str, Any],
+                       reference: Path, spec: EvalSpec, gguf_base: str | None) -> dict[str, Any] | None:
+    """The noise floor for (source, window set, reference), measured once and kept as a source artifact: the
+    second unquantized run of evaluators/reference.py ``noise_floor_engine`` scored against the reference.
+    ``gguf_base``: the run's GGUF base type where it builds one (llama.cpp measures the floor on it). None when
+    ``spec.noise_floor`` is off; ``{"engine": None, "reason": …}`` where no second run fits."""
+    from evaluators.reference import noise_floor_engine, noise_floor_key, run_noise_floor
+    from pipeline import resources
+    from pipeline.plan import reference_defaults
+    from pipeline.shown import NOISE_FLOOR_KIND
+
+    if not spec.noise_floor:
+        return None
+    engine, why = noise_floor_engine(spec, resolved.checkpoint.facts, resources.memory(settings.memory_budget),
+                                     gguf_base is not None)
+    if engine is None:
+        return {"engine": None, "reason": why}
+    ref_key = reference_key(str(ws_meta["id"]), spec)
+    key = noise_floor_key(ref_key, engine)
+    reg = open_registry(settings)
+    found = reg.find_source_artifact(resolved.source, NOISE_FLOOR_KIND, key)
+    if found is not None:
+        return dict(found.meta)
+    model_file, env = None, None
+    if engine == "llama.cpp":
+        dtype, _ = reference_defaults("llama.cpp", None, None, gguf_base or "auto")
+        model_file, env, _ = reference_gguf(settings, resolved, spec.model_copy(update={
+            "reference_engine": "llama.cpp", "reference_dtype": dtype, "reference_device": "cpu"}))
+    with scratch_dir(settings) as tmp, stage("reference:noise-floor", engine):
+        with Sampler() as sampler:
+            metrics = run_noise_floor(engine, resolved.checkpoint.path, model_file, windows, reference,
+                                      Path(tmp) / "floor", spec, settings, env)
+        meta = {**{k: metrics.get(k) for k in FLOOR_FIELDS}, "engine": engine, "reason": why,
+                "engine_version": metrics.get("engine_version"), "reference_key": ref_key,
+                "window_set_id": ws_meta["id"], "model_file": model_file.name if model_file else None,
+                "usage": sampler.usage.as_dict() if sampler.usage is not None else None}
+        path = Path(tmp) / "noise-floor.json"
+        path.write_text(json.dumps({**meta, "metrics": metrics}, default=str))
+        art = reg.put_source_artifact(model=resolved.model_name, architecture=resolved.architecture,
+                                      source=resolved.source, kind=NOISE_FLOOR_KIND, key=key,
+                                      name=f"noise-floor-{key[:12]}.json", path=path, meta=meta)
+    return dict(art.meta)
+
+
 def reference_gguf(settings: Settings, resolved: Resolved,
                    spec: EvalSpec) -> tuple[Path, dict[str, str], str | None]:
     """The unquantized GGUF the llama.cpp reference runs, the environment its runner needs and the llama.cpp

@@ -94,6 +94,9 @@ class EvalSpec(Frozen):
     reference_reason: str | None = None
     speed: SpeedSpec = SpeedSpec()
     cross_check: bool = True  # also run the format's cross-check engine (AWQ: transformers), if it has one
+    #: Also measure the noise floor: the KLD between the reference and a second unquantized run of the same source
+    #: that differs only in arithmetic (evaluators/reference.py ``noise_floor_engine``), once per reference.
+    noise_floor: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -19,7 +19,8 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 COLUMNS = [("variant", "variant"), ("size_mb", "size MB"), ("bpw", "bpw"), ("ppl", "PPL"),
-           ("delta_ppl_pct", "ΔPPL %"), ("kld", "KLD"), ("top1_pct", "top-1 %"), ("pp_tok_s", "pp tok/s"),
+           ("delta_ppl_pct", "ΔPPL %"), ("kld", "KLD"), ("kld_p99", "KLD p99"), ("top1_pct", "top-1 %"),
+           ("pp_tok_s", "pp tok/s"),
            ("tg_tok_s", "tg tok/s"), ("engine", "engine"), ("status", "status")]
 
 
@@ -50,13 +51,13 @@ def _cells(row: dict[str, Any], role: str | None = None) -> list[str]:
     from pipeline.shown import engine_mark, kld_text, shown_kld
 
     cells = {k: fmt_number(row.get(k)) for k, _ in COLUMNS}
-    cells["kld"] = kld_text(shown_kld(row), fmt_number) or "—"
+    cells["kld"] = (kld_text(shown_kld(row), fmt_number) or "—") + ("≃" if row.get("within_noise_floor") else "")
     fmt = str(row.get("format") or "")
     mark = engine_mark(fmt, row.get("engine") or None, role or row.get("engine_role") or "engine")
     if mark is not None:
         cells["engine"] += mark.symbol
     for kernel, keys in (("speed_kernel", ("pp_tok_s", "tg_tok_s")),
-                         ("quality_kernel", ("ppl", "delta_ppl_pct", "kld", "top1_pct"))):
+                         ("quality_kernel", ("ppl", "delta_ppl_pct", "kld", "kld_p99", "top1_pct"))):
         if row.get(kernel):  # a dense-matmul stand-in for vLLM's 4-bit kernel made these figures
             for k in keys:
                 cells[k] += "§" if cells[k] != "—" else ""

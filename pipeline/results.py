@@ -138,6 +138,9 @@ class ConvertReport(BaseModel):
     #: How the embedded executor ran the evaluations that share the CPU (flows/schedule.py EvalSchedule:
     #: evaluations, at_once, threads per slot, reason); None when none had to run.
     eval_schedule: dict[str, Any] | None = None
+    #: The noise floor: the KLD between the reference and a second unquantized run that differs only in arithmetic
+    #: (evaluators/reference.py), its summary, or ``{"engine": None, "reason": …}``; None where not measured.
+    noise_floor: dict[str, Any] | None = None
     #: What the pre-flight decided before any work (flows/preflight.py Preflight.as_dict: the memory available,
     #: the reference chosen and why, every ESTIMATE compared, the disk, refused formats, notes).
     preflight: dict[str, Any] | None = None

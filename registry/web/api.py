@@ -34,7 +34,7 @@ from registry.views import (
 from registry.web.cache import ResponseCache
 from registry.web.commands import download_path
 from registry.web.downloads import file_response
-from registry.web.table import Row, row_from_summary
+from registry.web.table import Row, row_from_summary, with_floors
 
 router = APIRouter(prefix="/api/v1", tags=["registry"])
 
@@ -132,8 +132,15 @@ def model_table(request: Request, reg: Reg, model: str) -> Response:
     unrounded, and why a metric is missing. ``kld`` is only the exact full-vocabulary KLD (a top-K bound is
     ``kld_lower_bound``, an estimate ``kld_estimate``; ``kld_kind`` says which); the format's own engine's
     results come first and other engines' are ``cross_checks``; ``engine_role``, ``speed_kernel`` and
-    ``marks`` say what is a stand-in."""
-    return cached_json(request, reg, lambda: [row_from_summary(s) for s in reg.variant_summaries(model)])
+    ``marks`` say what is a stand-in; ``within_noise_floor`` that the exact KLD is within its reference's noise
+    floor."""
+    return cached_json(request, reg, lambda: _table(reg, model))
+
+
+def _table(reg: Registry, model: str) -> list[Row]:
+    summaries = reg.variant_summaries(model)
+    floors = reg.noise_floors({s.source["identity"] for s in summaries if s.source and s.source.get("identity")})
+    return with_floors([row_from_summary(s) for s in summaries], floors)
 
 
 def _serving(reg: Registry, model: str) -> list[ServingSummary]:

@@ -7,13 +7,18 @@ Only comparable points make the front: engine-measured ones (a stand-in, pipelin
 as a hollow diamond and left off it) and, on the KLD axis, KLDs of one kind (exact when any variant has
 one; a top-K lower bound or an estimate is drawn hollow and left off a front of exact values). The
 caption's notes say what was left off and why.
+
+With a measured noise floor (registry.web.table ``chart_floor``: the KLD between the reference and a second
+unquantized run differing only in arithmetic), the KLD axis draws it as a dashed line with its 95 % band: a variant
+on or under it cannot be told from the reference on these windows.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.formats import FORMATS
 from registry.web.table import Row, pareto_front
@@ -63,6 +68,10 @@ class Chart:
     not_plotted: list[tuple[str, str]] = field(default_factory=list)  # (variant, reason)
     notes: list[str] = field(default_factory=list)  # what is not on the front, and why
     has_stand_ins: bool = False
+    #: The noise floor's line (y), its 95 % band (top y, bottom y) and its caption; None without one.
+    floor_y: float | None = None
+    floor_band: tuple[float, float] | None = None
+    floor_label: str | None = None
     labels: bool = True
     left: int = LEFT
     top: int = TOP
@@ -115,8 +124,9 @@ def _fmt(v: float, log: bool) -> str:
     return f"{v:g}" if abs(v) < 1e5 else f"{v:.3g}"
 
 
-def build_chart(rows: Sequence[Row]) -> Chart | None:
-    """Lay out the chart, or None when no variant has a size and a quality figure."""
+def build_chart(rows: Sequence[Row], noise_floor: Mapping[str, Any] | None = None) -> Chart | None:
+    """Lay out the chart, or None when no variant has a size and a quality figure; ``noise_floor``: the floor to
+    draw on the KLD axis (module docstring)."""
     metric = "kld" if any(r.kld_shown.value is not None for r in rows) else "ppl"
     plotted = [r for r in rows if r.value(metric) is not None and r.size]
     if not plotted:
@@ -124,10 +134,12 @@ def build_chart(rows: Sequence[Row]) -> Chart | None:
     log = metric == "kld"
     floor = min((float(r.value("kld")) for r in plotted if r.value("kld") > 0), default=1e-6) / 2 if log else 0.0
     values = [max(float(r.value(metric)), floor) if log else float(r.value(metric)) for r in plotted]
+    band = _floor_band(noise_floor) if log else None
+    span = [*values, *(band or ())]
     div, unit = size_unit(max(float(r.size or 0) for r in plotted))
     sizes = [float(r.size or 0) / div for r in plotted]
     x0, x1, xt = _linear_ticks(0.0, max(sizes) * 1.05)
-    y0, y1, yt = _log_ticks(min(values), max(values)) if log else _linear_ticks(min(values), max(values))
+    y0, y1, yt = _log_ticks(min(span), max(span)) if log else _linear_ticks(min(values), max(values))
     chart = Chart(metric=metric, y_label="KLD vs reference (log)" if log else "perplexity",
                   x_label=f"size ({unit})")
 
@@ -147,6 +159,14 @@ def build_chart(rows: Sequence[Row]) -> Chart | None:
                                   _title(r, metric, f"{sizes[i]:.3g} {unit}", chart.y_label), i in front,
                                   shape="diamond" if r.engine_role == "stand-in" else "circle",
                                   hollow=id(r) not in eligible, kind=r.engine_role))
+    if band is not None and noise_floor is not None:
+        mean = float(noise_floor["kld_mean"])
+        chart.floor_y, chart.floor_band = py(mean), (py(band[1]), py(band[0]))
+        shared = (f", the reference of {noise_floor['rows']} of the {noise_floor['of']} rows with an exact KLD"
+                  if noise_floor.get("of") and noise_floor.get("rows") != noise_floor.get("of") else "")
+        chart.floor_label = (f"noise floor: KLD {mean:.3g} between the reference and {noise_floor.get('engine')} "
+                             f"on the unquantized model{shared}; on or under it, a variant cannot be told from "
+                             "the reference")
     chart.has_stand_ins = any(p.shape == "diamond" for p in chart.points)
     chart.labels = len(chart.points) <= MAX_LABELS
     chart.front = sorted((p.x, p.y) for p in chart.points if p.on_front)
@@ -156,6 +176,18 @@ def build_chart(rows: Sequence[Row]) -> Chart | None:
     shown = {id(r) for r in plotted}
     chart.not_plotted = [(r.variant, r.reason(metric) or "no size") for r in rows if id(r) not in shown]
     return chart
+
+
+def _floor_band(floor: Mapping[str, Any] | None) -> tuple[float, float] | None:
+    """The noise floor's 95 % band (low, high) on a log axis (the mean both ways without an interval); None
+    without a positive floor."""
+    if not floor or not isinstance(floor.get("kld_mean"), int | float) or floor["kld_mean"] <= 0:
+        return None
+    mean = float(floor["kld_mean"])
+    low, high = floor.get("kld_ci95_low"), floor.get("kld_ci95_high")
+    low = float(low) if isinstance(low, int | float) and low > 0 else mean
+    high = float(high) if isinstance(high, int | float) and high > 0 else mean
+    return min(low, mean), max(high, mean)
 
 
 def _title(r: Row, metric: str, size: str, y_label: str) -> str:

@@ -14,6 +14,7 @@ from pipeline.serving_summary import CPU_SCALED_PROFILE, MemorySummary
 from pipeline.shown import (
     CPU_SCALED,
     DENSE_KERNEL,
+    WITHIN_FLOOR,
     Mark,
     engine_mark,
     eval_sets_note,
@@ -47,7 +48,7 @@ def number(x: float | None, kind: str = "") -> str:
         return ""
     if kind == "size":
         return human_size(int(x))
-    if kind == "kld":
+    if kind in ("kld", "kld_p99"):
         return f"{x:.3e}"
     if kind == "delta_ppl_pct":
         return f"{x:+.1e}" if 0 < abs(x) < 0.01 else f"{x:+.3f}"
@@ -112,8 +113,10 @@ def _shown(row: Row, key: str, v: float) -> tuple[str, str | None, str]:
         mark = kld_mark(k)
         ci = f"95 % CI {number(row.kld_ci95_low, 'kld')}–{number(row.kld_ci95_high, 'kld')}" \
             if row.kld_ci95_low is not None and row.kld_ci95_high is not None else None
-        title = "; ".join(t for t in (mark.line if mark else None, k.method, ci) if t) or None
-        return kld_text(k, lambda x: number(x, "kld")), title, f" kld-{k.kind}" + (" marked" if mark else "")
+        floor = WITHIN_FLOOR.line if row.within_noise_floor else None
+        title = "; ".join(t for t in (mark.line if mark else None, k.method, ci, floor) if t) or None
+        text = kld_text(k, lambda x: number(x, "kld")) + (WITHIN_FLOOR.symbol if floor else "")
+        return text, title, f" kld-{k.kind}" + (" marked" if mark or floor else "")
     if key in SPEED_KEYS and row.speed_kernel:
         return number(v, key) + DENSE_KERNEL.symbol, f"{DENSE_KERNEL.line} ({row.speed_kernel})", " marked"
     if key in ("ppl", "delta_ppl_pct"):

@@ -11,7 +11,7 @@ from fastapi.templating import Jinja2Templates
 
 from pipeline.errors import InvalidReferenceError
 from pipeline.serving_summary import serving_summaries
-from pipeline.shown import engine_mark, role_of, second_role
+from pipeline.shown import confidence_rows, engine_mark, llama_statistics, role_of, second_role
 from pipeline.shown import pick as pick_results
 from pipeline.specs import Ref
 from registry.store import Registry
@@ -22,7 +22,16 @@ from registry.web.chart import build_chart, format_colours
 from registry.web.commands import commands, download_path
 from registry.web.format import page_marks, sets_note
 from registry.web.serving import build_serving_charts, shown_metrics
-from registry.web.table import METRICS, QUALITY_KEYS, Row, row_from_summary, row_from_version, sort_rows
+from registry.web.table import (
+    METRICS,
+    QUALITY_KEYS,
+    Row,
+    chart_floor,
+    row_from_summary,
+    row_from_version,
+    sort_rows,
+    with_floors,
+)
 
 router = APIRouter(include_in_schema=False)
 Reg = Annotated[Registry, Depends(registry_of)]
@@ -72,13 +81,15 @@ def _model_page(request: Request, reg: Registry, model: str, sort: str | None, d
                 format: str | None) -> HTMLResponse:
     summaries = reg.variant_summaries(model)
     served = {s.ref: serving_summaries(s.variant, s.ref, s.format, s.results) for s in summaries}
-    all_rows = [row_from_summary(s, served[s.ref]) for s in summaries]
+    floors = reg.noise_floors({s.source["identity"] for s in summaries if s.source and s.source.get("identity")})
+    all_rows = with_floors([row_from_summary(s, served[s.ref]) for s in summaries], floors)
     rows = [r for r in all_rows if not format or r.format == format]
     rows = sort_rows(rows, sort, descending=dir == "desc")
     serving = build_serving_charts([x for r in rows for x in served[r.ref]])
     sources = {s.source.get("identity"): s.source for s in summaries if s.source}
     window_sets = sorted({r.window_set_id for r in rows if r.window_set_id})
-    return render(request, "model.html", model=model, rows=rows, chart=build_chart(rows), metrics=METRICS,
+    return render(request, "model.html", model=model, rows=rows, chart=build_chart(rows, chart_floor(rows, floors)),
+                  metrics=METRICS,
                   serving=serving,
                   sources=list(sources.values()), window_sets=window_sets, sets_note=sets_note(rows),
                   marks=page_marks(rows), sort=sort, dir=dir,
@@ -110,11 +121,18 @@ def _version_page(request: Request, reg: Registry, ref: str) -> HTMLResponse:
     by_version: dict[int, list[str]] = {}
     for name, number in aliases.items():
         by_version.setdefault(number, []).append(name)
-    rows = [row_from_version(v, {a: v.number for a in by_version.get(v.number, [])}) for v in reversed(history)]
+    floors = reg.noise_floors([view.source["identity"]] if view.source.get("identity") else [])
+    rows = with_floors([row_from_version(v, {a: v.number for a in by_version.get(v.number, [])})
+                        for v in reversed(history)], floors)
     used = {r.window_set_id for r in view.results if r.window_set_id}
     evals = {ws: arts for ws, arts in _eval_artifacts(reg, [view]).items() if ws in used}
-    row = row_from_version(view, {a: view.number for a in by_version.get(view.number, [])})
+    (row,) = with_floors([row_from_version(view, {a: view.number for a in by_version.get(view.number, [])})], floors)
+    picked = pick_results(view.format, view.results).quality
+    quality = picked.metrics if picked is not None else {}
     return render(request, "version.html", view=view, lineage=reg.lineage(view.ref), history=rows,
+                  statistics=llama_statistics(quality), confidence=confidence_rows(quality),
+                  statistics_engine=picked.engine if picked is not None else None,
+                  noise_floor=floors.get(row.reference_key or ""),
                   marks=page_marks([row, *rows]), roles=result_roles(view),
                   aliases=aliases, evals=evals, commands=commands(view, str(request.base_url)),
                   files=[(f, download_path(view.ref, f.name)) for f in view.files],
@@ -143,10 +161,13 @@ def _compare_page(request: Request, reg: Registry, ref: list[str] | None) -> HTM
                                     hint="tick 2 to 6 variants on a model page, then press Compare")
     rows: list[Row] = []
     served = []
+    identities = set()
     for text in refs:
         view = reg.get_version(Ref.parse(text))
         rows.append(row_from_version(view))
         served += serving_summaries(view.variant, view.ref, view.format, view.results)
+        identities.add(view.source.get("identity"))
+    rows = with_floors(rows, reg.noise_floors([i for i in identities if i]))
     note = sets_note(rows)
     best = {key: _best(rows, key, lower, note is not None) for key, (_, lower) in METRICS.items()}
     return render(request, "compare.html", rows=rows, metrics=METRICS, best=best, sets_note=note,

@@ -12,14 +12,24 @@ result of the format's own engine first (:func:`pipeline.serving_summary.serving
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from pipeline.results import KLDValue
 from pipeline.serving_summary import ServingSummary, serving_summaries
-from pipeline.shown import dense_kernel, median, pick, quality_fields, role_of, row_marks, shown_kld
+from pipeline.shown import (
+    WITHIN_FLOOR,
+    dense_kernel,
+    median,
+    pick,
+    quality_fields,
+    role_of,
+    row_marks,
+    shown_kld,
+    within_floor,
+)
 from registry.views import ResultView, VariantSummary, VersionView
 
 NOT_EVALUATED = "not evaluated"
@@ -34,10 +44,10 @@ UNAVAILABLE_ERRORS = ("ToolchainMissingError", "EngineUnavailableError")
 #: Sortable numeric columns: key -> (header, lower is better).
 METRICS: dict[str, tuple[str, bool]] = {
     "size": ("size", True), "bpw": ("bpw", True), "ppl": ("PPL", True), "delta_ppl_pct": ("ΔPPL %", True),
-    "kld": ("KLD", True), "top1_pct": ("top-1 %", False), "pp_tok_s": ("prompt tok/s", False),
-    "tg_tok_s": ("decode tok/s", False),
+    "kld": ("KLD", True), "kld_p99": ("KLD p99", True), "top1_pct": ("top-1 %", False),
+    "pp_tok_s": ("prompt tok/s", False), "tg_tok_s": ("decode tok/s", False),
 }
-QUALITY_KEYS = ("ppl", "delta_ppl_pct", "kld", "top1_pct")
+QUALITY_KEYS = ("ppl", "delta_ppl_pct", "kld", "kld_p99", "top1_pct")
 SPEED_KEYS = ("pp_tok_s", "tg_tok_s")
 
 
@@ -88,6 +98,9 @@ class Row(BaseModel):
     kld_method: str | None = None
     kld_ci95_low: float | None = None
     kld_ci95_high: float | None = None
+    kld_p99: float | None = None  # the exact KLD's 99th percentile over scored positions (llama-perplexity's 99 %)
+    #: The exact KLD is within the noise floor of its reference (pipeline.shown.within_floor): marked ≃.
+    within_noise_floor: bool = False
     top1_pct: float | None = None
     ci_method: str | None = None
     n_windows: int | None = None
@@ -268,3 +281,24 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
             front.append(i)
             best_y = points[i][1]
     return front
+
+
+def with_floors(rows: Sequence[Row], floors: Mapping[str, Mapping[str, Any]]) -> list[Row]:
+    """``rows`` with ``within_noise_floor`` (and its mark) set against the floor of each row's own reference."""
+    out = []
+    for r in rows:
+        inside = within_floor(r.model_dump(), floors.get(r.reference_key or ""))
+        out.append(r.model_copy(update={"within_noise_floor": True, "marks": [*r.marks, WITHIN_FLOOR.key]})
+                   if inside else r)
+    return out
+
+
+def chart_floor(rows: Sequence[Row], floors: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The noise floor a model page's chart draws: that of the reference most rows with an exact KLD were scored
+    against (None when it has none), with ``rows``: how many of them share it, ``of``: how many there are."""
+    keys = [r.reference_key for r in rows if r.kld is not None and r.reference_key]
+    if not keys:
+        return None
+    key = max(set(keys), key=lambda k: (keys.count(k), k))
+    floor = floors.get(key)
+    return None if floor is None else {**floor, "rows": keys.count(key), "of": len(keys)}

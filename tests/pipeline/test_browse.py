@@ -109,3 +109,30 @@ def test_show_labels_each_result_and_its_json_keeps_the_kind(labelled: Path) -> 
     assert quality["kld_kind"] == "lower_bound" and quality["metrics"]["kld_mean"] == LEGACY_KLD
     exl2 = _cli("show", "acme/labels/EXL2-4.0bpw-ref", "--registry", str(labelled))
     assert "exl2-reference*" in exl2 and "not ExLlamaV2's kernels" in " ".join(exl2.split())
+
+
+def test_show_prints_every_llama_perplexity_statistic(demo_registry: Path) -> None:
+    """``show`` on a measured version: llama-perplexity's statistics, each from the stored result, and the KLD by
+    the reference's confidence."""
+    from registry import open_registry
+
+    out = _cli("show", "demo/Q4_K_M", "--registry", str(demo_registry))
+    metrics = next(r.metrics for r in open_registry(str(demo_registry)).get_version("demo/Q4_K_M").results
+                   if r.kind == "quality" and r.status == "ok")
+    for label, key in (("99.9 % KLD", "kld_p999"), ("minimum KLD", "kld_min"), ("median KLD", "kld_median")):
+        line = next(x for x in out.splitlines() if f" {label} " in x)
+        assert f"{metrics[key]:.6g}" in line, (label, line)
+    rms = next(x for x in out.splitlines() if " RMS Δp " in x)
+    assert f"{100 * metrics['delta_p_rms']:.6g} ± {100 * metrics['delta_p_rms_unc']:.3g} %" in rms
+    assert "by the reference's confidence" in out and "0.8-1.0" in out
+
+
+def test_compare_marks_what_is_within_the_noise_floor(demo_registry: Path) -> None:
+    """``compare`` reads each row's reference's noise floor from the registry: F16 (the unquantized model on
+    llama.cpp, as the floor's second run) is within it, Q2_K is not."""
+    rows = {r["variant"]: r for r in json.loads(_cli("compare", "demo", "--registry", str(demo_registry), "--json"))}
+    assert rows["F16"]["within_noise_floor"] and "noise-floor" in rows["F16"]["marks"]
+    assert not rows["Q2_K"]["within_noise_floor"]
+    table = _cli("compare", "demo", "--registry", str(demo_registry))
+    assert "≃" in next(line for line in table.splitlines() if "F16" in line)
+    assert "KLD p99" in table

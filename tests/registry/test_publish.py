@@ -76,6 +76,11 @@ def test_demo_dry_run_card_and_operations(tmp_path: Path, demo_registry: Path) -
         assert f"Window set `{q.window_set_id}`" in text
     assert "local:sha256:" in text and "llama_cpp_python=" in text and "Reference: transformers" in text
     assert "No calibration data or importance matrix was used" in text
+    floor = reg.list_source_artifacts(reg.get_version("demo/F16").source["identity"], "noise_floor")[0].meta
+    assert f"- Noise floor (two unquantized runs differing only in arithmetic; a KLD within it cannot be told " \
+        f"from the reference): KLD {floor['kld_mean']:.3g}" in text
+    full = text.split("## The KL-divergence in full")[1]
+    assert "| 99.9 % KLD |" in full and "| RMS Δp |" in full and "| same top p |" in full
 
 
 def test_real_publish_needs_validated_versions(tmp_path: Path, registry_path: Path) -> None:

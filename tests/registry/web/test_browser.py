@@ -65,6 +65,13 @@ def test_model_page_sort_open_download(browser: Any, demo_registry: Path, tmp_pa
         assert sorted(variants) == ["F16", "Q2_K", "Q4_K_M", "Q8_0"]
         assert page.locator("#chart circle.marker").count() == 4
         assert page.locator("#chart polyline.front").count() == 1
+        # the noise floor, drawn as a line, and F16 (the unquantized model on llama.cpp) marked within it
+        assert page.locator("#chart #noise-floor line.floor").count() == 1  # a horizontal line: no height to "see"
+        assert page.locator("#chart #noise-floor text.floor-label").is_visible()
+        assert "noise floor: KLD" in page.locator("#legend-floor").inner_text()
+        f16 = page.locator('#variants tr[data-ref="demo/F16@1"] td.m-kld').inner_text()
+        q2 = page.locator('#variants tr[data-ref="demo/Q2_K@1"] td.m-kld').inner_text()
+        assert f16.endswith("≃") and not q2.endswith("≃"), (f16, q2)
 
         # 2. sort by KLD (client-side): ascending, then descending
         page.locator("#variants th[data-key=kld] a.sort").click()

@@ -20,10 +20,12 @@ from registry.web.table import (
     EVAL_FAILED,
     NOT_EVALUATED,
     Row,
+    chart_floor,
     metric_fields,
     pareto_front,
     quant_label,
     sort_rows,
+    with_floors,
 )
 
 
@@ -107,6 +109,29 @@ def test_chart_uses_kld_on_a_log_scale_and_draws_the_front() -> None:
     assert ys["d"] > ys["b"] > ys["a"]  # SVG y grows downwards: lower KLD is lower on the chart
     xs = [x for x, _ in chart.front]
     assert xs == sorted(xs) and len(xs) == 3
+
+
+def test_chart_draws_the_noise_floor_and_marks_the_rows_within_it() -> None:
+    """The floor is a line (with its 95 % band) on the KLD axis, the axis reaches down to it, and a row whose exact
+    KLD interval reaches the floor's of its own reference is marked ≃; rows of another reference are not."""
+    rows = [_row("a", 2_000_000, 1e-2), _row("b", 4_000_000, 1.1e-4), _row("c", 3_000_000, 2e-3)]
+    rows = [r.model_copy(update={"reference_key": "ref1"}) for r in rows]
+    rows.append(_row("d", 5_000_000, 1e-4).model_copy(update={"reference_key": "ref2"}))
+    floors = {"ref1": {"kld_mean": 1e-5, "kld_ci95_low": 5e-6, "kld_ci95_high": 1.2e-4, "engine": "llama.cpp"}}
+    marked = with_floors(rows, floors)
+    assert [r.within_noise_floor for r in marked] == [False, True, False, False]
+    assert "noise-floor" in marked[1].marks and metric_cells(marked[1])[4].text.endswith("≃")
+    floor = chart_floor(marked, floors)
+    assert floor is not None and (floor["rows"], floor["of"]) == (3, 4)
+    chart = build_chart(marked, floor)
+    assert chart is not None and chart.floor_y is not None and chart.floor_band is not None
+    assert next(t.label for t in chart.y_ticks) == "1e-6"  # the axis reaches down to the floor's band
+    ys = {p.label: p.y for p in chart.points}
+    assert chart.floor_band[0] <= chart.floor_y <= chart.floor_band[1]
+    assert ys["b"] < chart.floor_y  # above the floor line (SVG y grows downwards)
+    assert "3 of the 4 rows" in str(chart.floor_label)
+    assert build_chart(marked).floor_y is None  # type: ignore[union-attr]
+    assert chart_floor(marked, {}) is None
 
 
 def test_chart_falls_back_to_ppl_and_to_nothing() -> None:
