@@ -27,7 +27,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from evaluators.llamacpp.crosscheck import kl_divergence, save_base
-from flows.quantize import convert_flow
 from pipeline.config import Settings
 from pipeline.llama_cpp import llama_cpp_toolchain
 from pipeline.plan import EvalSpec, GGUFOptions, Plan, SourceInput, SpeedSpec, variants_from_flags
@@ -41,6 +40,8 @@ def run(source: Path, tmp: Path, cfg: Settings, windows: int, name: str, text: P
         ) -> dict[str, tuple[dict[str, Any], dict[str, tuple[float, float]]]]:
     """Quantyard's flow (a llama.cpp F16 reference) and llama-perplexity on the same files and chunks: per
     variant, (Quantyard's quality metrics, llama-perplexity's printed statistics as (value, printed half-unit))."""
+    from flows.quantize import convert_flow
+
     text = text or source / "eval.txt"
     plan = Plan(source=SourceInput(source=str(source)), model_name=name,
                 variants=variants_from_flags(gguf=TYPES), gguf=GGUFOptions(base_type="F16"),
@@ -127,6 +128,9 @@ def table(name: str, results: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    from pipeline.cli.common import prefect_defaults
+
+    prefect_defaults()  # before Prefect is imported: no telemetry
     import pipeline_vs_llamacpp as vs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -136,6 +140,7 @@ def main() -> None:
     args = ap.parse_args()
     base_cfg = Settings()
     parts = [vs.header(sys.argv, os.getloadavg(), base_cfg.threads)]
+    verdicts = []
     for name in args.model or ["demo", "real"]:
         ckpt = vs.checkpoint(name, base_cfg)
         base_cfg.work_root.mkdir(parents=True, exist_ok=True)
@@ -147,10 +152,13 @@ def main() -> None:
                 text, _ = vs.eval_text_file(ckpt, None, Path(tmp))
             results = run(ckpt, Path(tmp), cfg, args.windows, name, text)
             problems = check(results)
+            fields = sum(len(theirs) for variant, (_, theirs) in results.items() if variant != "F16")
             parts.append(table(f"{name} ({ckpt}, {args.windows} chunks of 512)", results))
-            parts.append("- every field within its allowance" if not problems else
-                         "- OUTSIDE the allowance: " + "; ".join(problems))
-            print(parts[-2] + "\n" + parts[-1] + "\n", flush=True)
+            verdicts.append(f"- {name}: {fields} printed fields of {len(results) - 1} quantized variants; "
+                            + ("every one within its allowance" if not problems else
+                               f"{len(problems)} OUTSIDE their allowance: " + "; ".join(problems)))
+            print(parts[-1] + "\n\n" + verdicts[-1] + "\n", flush=True)
+    parts.append("### verdicts\n\n" + "\n".join(verdicts))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n\n".join(parts) + "\n")

@@ -52,7 +52,7 @@ def convert(code: Path, ckpt: Path, cfg: Settings, work: Path, args: argparse.Na
 
 def evaluate_wall(report: dict[str, Any]) -> float:
     """The evaluate stage's wall time of a one-variant report."""
-    (stage,) = [s for s in report["stages"] if s["stage"] == "evaluate" and s["status"] == "ran"]
+    (stage,) = [s for s in report["stages"] if s["stage"].startswith("evaluate:") and s["status"] == "ran"]
     return float(stage["usage"]["wall_s"])
 
 

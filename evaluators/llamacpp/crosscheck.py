@@ -19,9 +19,9 @@ from pipeline.errors import EngineError
 from pipeline.llama_cpp import LlamaCppToolchain
 
 #: llama-perplexity prints these with 6 decimals (the per-chunk lines with 5).
-_FIELDS = {"ppl": r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", "ppl_base": r"Mean PPL\(base\)\s*:\s*([0-9.]+)",
-           "kld_mean": r"Mean\s+KLD:\s*([0-9.]+)", "kld_median": r"Median\s+KLD:\s*([0-9.]+)",
-           "same_top_pct": r"Same top p:\s*([0-9.]+)"}
+_FIELDS = {"ppl": r"Mean PPL\(Q\)\s*:\s*(-?[0-9.]+)", "ppl_base": r"Mean PPL\(base\)\s*:\s*(-?[0-9.]+)",
+           "kld_mean": r"Mean\s+KLD:\s*(-?[0-9.]+)", "kld_median": r"Median\s+KLD:\s*(-?[0-9.]+)",
+           "same_top_pct": r"Same top p:\s*(-?[0-9.]+)"}
 PRINTED_DECIMALS = 6
 
 
