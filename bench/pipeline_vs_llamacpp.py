@@ -16,7 +16,8 @@ than the windows asked gives fewer: the tables' notes say how many Quantyard sco
   (evaluators/llamacpp/crosscheck.py reruns it then): only the run that printed its statistics is counted;
   the time lost to such reruns is printed apart.
 * **Quantyard**: ``python -m pipeline.cli convert CKPT --gguf Q8_0,Q4_K_M,Q2_K --gguf-base f16 --reference-engine
-  llama.cpp --no-speed --eval-text TEXT --window 512 --stride 512 --score-from 257 --max-windows N --json``
+  llama.cpp --no-speed --no-noise-floor --eval-text TEXT --window 512 --stride 512 --score-from 257
+  --max-windows N --json``
   (``--reference transformers``: the fp32 transformers reference instead) in a subprocess
   with a fresh registry, cache dir and work dir (so the source is hashed, the F16 base converted and the
   reference computed afresh; only the toolchains, i.e. the llama.cpp build and the tool environments, are
@@ -362,7 +363,9 @@ def quantyard(ckpt: Path, text: Path, cfg: Settings, work: Path, windows: int, t
         "--registry": str(work / "registry"),
     }
     flags = [x for pair in opts.items() for x in pair]
-    cmd = [sys.executable, "-c", CHILD, str(events), "convert", str(ckpt), *flags, "--no-speed", "--json"]
+    # the noise floor (a second unquantized run) is a measurement llama.cpp's tools do not make: off, as speed is
+    cmd = [sys.executable, "-c", CHILD, str(events), "convert", str(ckpt), *flags, "--no-speed", "--no-noise-floor",
+           "--json"]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=fresh_env(cfg, work), cwd=REPO)
     total = time.perf_counter() - t0

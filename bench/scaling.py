@@ -15,8 +15,8 @@ Sizes (``--sizes``, default all three, smallest first):
   ``eval_text_file``); its vocabulary is printed with its measurements, since the fits fold it into P.
 
 Each size runs, in a child process with a fresh registry, cache and work dir (bench/pipeline_vs_llamacpp.py's
-``CHILD`` and ``fresh_env``): ``convert CKPT --gguf Q8_0,Q4_K_M,Q2_K --gguf-base f16 --no-speed --eval-text
-TEXT --window 512 --stride 512 --score-from 257 --max-windows W --threads N --reference-engine R
+``CHILD`` and ``fresh_env``): ``convert CKPT --gguf Q8_0,Q4_K_M,Q2_K --gguf-base f16 --no-speed --no-noise-floor
+--eval-text TEXT --window 512 --stride 512 --score-from 257 --max-windows W --threads N --reference-engine R
 --json`` (R: ``--reference``, default llama.cpp: the F16 GGUF, the reference that scales to 70 B). Stage times
 are the report's ``dispatch_s``; resolving the source (before the stage graph: row ``hash``) is timed by its progress
 event plus the hashing the ledger's check did before it (flows/reuse.py: the CLI pins the source first, then the
@@ -497,7 +497,8 @@ def measure(size: str, ckpt: Path, cfg: Settings, windows: int, threads: int,
         flags = ["--name", "bench", "--gguf", ",".join(vs.QUANTS), "--gguf-base", "f16", "--eval-text",
                  str(text), "--window", str(vs.CTX), "--stride", str(vs.CTX), "--score-from",
                  str(vs.SCORE_FROM), "--max-windows", str(windows), "--threads", str(threads),
-                 "--registry", str(work / "registry"), "--reference-engine", reference, "--no-speed", "--json"]
+                 "--registry", str(work / "registry"), "--reference-engine", reference, "--no-speed",
+                 "--no-noise-floor", "--json"]
         cmd = [sys.executable, "-c", vs.CHILD, str(events), "convert", str(ckpt), *flags]
         sampler = RssSampler()
         sampler.start()
