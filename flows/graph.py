@@ -256,7 +256,7 @@ def build_graph(plan: Plan, identity: str, placement: Placement, target: dict[st
             registered.append((fmt, spec, reg))
     if plan.eval.enabled:
         ref = request("reference", "reference", _eval_spec(plan), [], placement.for_reference(plan.eval), bare, up,
-                      gguf_base=any(str(s.format) == "gguf" for s in plan.variants))
+                      gguf_base=any("base" in format_info(s.format).shared_prepared for s in plan.variants))
         graph.add(ref, ("resolve",))
         for fmt, spec, reg in registered:
             one = plan.model_copy(update={"variants": (spec,)})

@@ -93,14 +93,6 @@ class Preflight:
                 "notes": list(self.notes)}
 
 
-#: What else lowers a format's memory, said in its refusal.
-LOWER = {"awq": ", or calibrate on fewer or shorter samples (--awq-calibration-samples, "
-                "--awq-calibration-seq-len)",
-         "exl2": ", or use the exllamav2 backend on a CUDA GPU (--exl2-backend exllamav2), which works a layer at "
-                 "a time",
-         "gguf": ", or build fewer or smaller types (an evaluation holds a quantized type's repacked weights)"}
-
-
 def settle_reference(plan: Plan, facts: ModelFacts, settings: Settings) -> Plan:
     """``plan`` with its reference engine chosen or checked for this machine (choose_reference); unchanged when
     it does not evaluate. Raises InsufficientMemoryError (the reference cannot fit)."""
@@ -230,7 +222,7 @@ def _memory(out: Preflight, fmt: str, facts: ModelFacts, foot: Footprint, specs:
     label = format_info(fmt).label
     hint = (f"leave {label} out of this plan (the other formats go on without it), or run it on a machine with "
             f"~{gib(top.memory)} available or on a GPU work pool (quantyard orchestrate)"
-            + LOWER.get(fmt, ""))
+            + format_info(fmt).lower_memory)
     return InsufficientMemoryError(f"{label}: {top.describe()}; {out.memory.describe()}", needed=top.memory,
                                    available=available, hint=hint), skip_cross
 

@@ -386,9 +386,8 @@ def ensure_noise_floor(settings: Settings, resolved: Resolved, windows: Path, ws
     second unquantized run of evaluators/reference.py ``noise_floor_engine`` scored against the reference.
     ``gguf_base``: the run's GGUF base type where it builds one (llama.cpp measures the floor on it). None when
     ``spec.noise_floor`` is off; ``{"engine": None, "reason": …}`` where no second run fits."""
-    from evaluators.reference import noise_floor_engine, noise_floor_key, run_noise_floor
+    from evaluators.reference import noise_floor_engine, noise_floor_key
     from pipeline import resources
-    from pipeline.plan import reference_defaults
     from pipeline.shown import NOISE_FLOOR_KIND
 
     if not spec.noise_floor:
@@ -403,11 +402,28 @@ def ensure_noise_floor(settings: Settings, resolved: Resolved, windows: Path, ws
     found = reg.find_source_artifact(resolved.source, NOISE_FLOOR_KIND, key)
     if found is not None:
         return dict(found.meta)
+    try:
+        return _measure_noise_floor(settings, resolved, windows, ws_meta, reference, spec, engine, why, gguf_base,
+                                    ref_key, key)
+    except QuantyardError as exc:  # the floor is a second opinion: its failure never fails the reference
+        said = f"no noise floor: {engine} could not run the unquantized model ({type(exc).__name__}: {exc})"
+        note(said)
+        return {"engine": None, "reason": said}
+
+
+def _measure_noise_floor(settings: Settings, resolved: Resolved, windows: Path, ws_meta: dict[str, Any],
+                         reference: Path, spec: EvalSpec, engine: str, why: str, gguf_base: str | None,
+                         ref_key: str, key: str) -> dict[str, Any]:
+    from evaluators.reference import run_noise_floor
+    from pipeline.plan import reference_defaults
+    from pipeline.shown import NOISE_FLOOR_KIND
+
     model_file, env = None, None
     if engine == "llama.cpp":
         dtype, _ = reference_defaults("llama.cpp", None, None, gguf_base or "auto")
         model_file, env, _ = reference_gguf(settings, resolved, spec.model_copy(update={
             "reference_engine": "llama.cpp", "reference_dtype": dtype, "reference_device": "cpu"}))
+    reg = open_registry(settings)
     with scratch_dir(settings) as tmp, stage("reference:noise-floor", engine):
         with Sampler() as sampler:
             metrics = run_noise_floor(engine, resolved.checkpoint.path, model_file, windows, reference,

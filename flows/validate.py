@@ -276,8 +276,9 @@ def _quality_metrics(target: Target, settings: Settings, opts: ValidateOptions, 
     engine = str(format_info(target.fmt).engine)
     if target.version is not None and opts.eval is None:
         opts = replace(opts, eval=recorded_eval(target.version, settings, DEFAULT_EVAL))
+    engines = (engine, target.notes.get("engine"))
     if target.version is not None and opts.spec.settled:
-        r = reusable_result(target.version, (engine, target.notes.get("engine")), settings, opts.spec)
+        r = reusable_result(target.version, engines, settings, opts.spec)
         if r is not None:
             return {**r.metrics, "window_set_id": r.window_set_id, "engine": r.engine, "reused": True}
     resolved = _source_for(target, settings)
@@ -285,6 +286,9 @@ def _quality_metrics(target: Target, settings: Settings, opts: ValidateOptions, 
         resolved.model_name = target.version.model
     if not opts.spec.settled:  # chosen for this machine as convert chooses it (flows/preflight.py)
         opts = replace(opts, eval=settle_eval(opts.spec, resolved.checkpoint.facts, settings))
+        r = reusable_result(target.version, engines, settings, opts.spec) if target.version is not None else None
+        if r is not None:  # the reference it chose is the one this version was evaluated against
+            return {**r.metrics, "window_set_id": r.window_set_id, "engine": r.engine, "reused": True}
     steps.check_window_fits(opts.spec, resolved.checkpoint)  # as convert checks them (flows/steps.py)
     steps.check_eval_text(opts.spec, resolved.checkpoint)
     windows, ws_meta, _ = steps.ensure_window_set(settings, resolved, opts.spec)

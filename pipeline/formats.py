@@ -69,6 +69,8 @@ class FormatInfo:
     plan_options: str | None = None  # the Plan field holding its plan-level options (lineage["options"])
     colour: str = "#7f7f7f"  # its markers in the registry's size-vs-quality chart
     library_name: str = ""  # the model card's library_name on the Hub
+    #: What else lowers its conversion's memory, said in a pre-flight refusal (", or ..."; flows/preflight.py)
+    lower_memory: str = ""
     launcher: Launcher | None = None
     hub: HubLayout = field(default_factory=HubLayout)
 
@@ -79,6 +81,7 @@ FORMATS: dict[QuantFormat, FormatInfo] = {
         engine=Engine.LLAMA_CPP, pool="cpu", tool_locks=(LLAMA_CPP_LOCK,), single_file=True, suffix=".gguf",
         magic=b"GGUF", own_tokenizer=True, shared_prepared=("base", "imatrix", "calibration"), plan_options="gguf",
         colour="#1f77b4", library_name="gguf",
+        lower_memory=", or build fewer or smaller types (an evaluation holds a quantized type's repacked weights)",
         # a split GGUF is loaded through its first part; llama.cpp finds the others beside it
         launcher=Launcher("llama.cpp server", "llama-server -m {path} --port 8080", suffix=".gguf"),
         hub=HubLayout(split_large_files=True)),
@@ -88,6 +91,8 @@ FORMATS: dict[QuantFormat, FormatInfo] = {
         fallback_note="the AWQ folder decompressed by transformers (compressed-tensors) in fp32, not vLLM's "
                       "kernels; quality only, no speed",
         pool="gpu", tool_envs=("awq", "autoawq"), quant_methods=("awq", "compressed-tensors"), colour="#d62728",
+        lower_memory=", or calibrate on fewer or shorter samples (--awq-calibration-samples, "
+                     "--awq-calibration-seq-len)",
         library_name="transformers", launcher=Launcher("vLLM", "vllm serve {dest} --served-model-name {variant}"),
         hub=HubLayout(one_variant_per_repo=True)),
     QuantFormat.EXL2: FormatInfo(
@@ -96,6 +101,8 @@ FORMATS: dict[QuantFormat, FormatInfo] = {
         fallback_note="dequantized EXL2 weights in fp32 transformers, not ExLlamaV2's kernels; quality only, "
                       "no speed",
         quant_methods=("exl2",), colour="#2ca02c", library_name="exllamav2",
+        lower_memory=", or use the exllamav2 backend on a CUDA GPU (--exl2-backend exllamav2), which works a layer "
+                     "at a time",
         launcher=Launcher("TabbyAPI (ExLlamaV2), from its checkout",
                           "python main.py --model-dir . --model-name {dest}"),
         hub=HubLayout(revision_per_variant=True)),

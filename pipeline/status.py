@@ -3,7 +3,7 @@
 Every path that needs hardware this project's machines do not have (a CUDA GPU) is a row here with what happened
 when it last ran, the evidence (a file in bench/results/) and the command that checks it. A docstring that
 describes such a path says "see pipeline/status.py", never a status of its own (the statuses it used to carry went
-stale: the EXL2 codec parity check read "prepared, not yet run" after it had run and failed).
+stale: the EXL2 codec parity check was still described as not run after it had run on an H200 and failed).
 
 Change a row only with its evidence: a new result file, or a run's log committed beside the others.
 """

@@ -40,7 +40,7 @@ def test_a_local_folder_runs_both_ways_on_one_text(pv: ModuleType, tmp_path: Pat
 
     assert f"### {folder} ({folder}), text: Quantyard's built-in held-out text" in out
     assert "Quantyard: 2 windows, 510 scored positions" in out  # llama-perplexity's --chunks 2 scores the same
-    for step in ("resolve (hash the source)", "F16 conversion", "3 quantizations", "reference", "3 evaluations",
+    for step in ("resolve (hash the source)", "base conversion", "3 quantizations", "reference", "3 evaluations",
                  "**whole command**"):
         assert f"| {step} |" in out
     resolve_row = next(line for line in out.splitlines() if line.startswith("| resolve (hash the source) |"))

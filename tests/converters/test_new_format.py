@@ -28,10 +28,11 @@ import shutil
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from converters.base import BuildContext, BuiltVariant, Prepared
+from converters.base import BuildContext, BuiltVariant, Footprint, Prepared
 from converters.checkpoint import Checkpoint
 from pipeline.config import Settings
-from pipeline.specs import Frozen
+from pipeline.footprint import TORCH_PROCESS, Need
+from pipeline.specs import Frozen, SourceRef
 
 
 class ToySpec(Frozen):
@@ -60,6 +61,12 @@ class ToyConverter:
 
     def check(self, checkpoint: Checkpoint, specs: list[Any]) -> None:
         return None
+
+    def footprint(self, checkpoint: Checkpoint, source: SourceRef, specs: list[Any]) -> Footprint:
+        """ESTIMATES: build loads every shard and writes it in bfloat16 (2 bytes per parameter)."""
+        weights = checkpoint.facts.n_params * 2
+        need = Need.of("toy: the weights in bfloat16", ("weights", weights), ("interpreter", TORCH_PROCESS))
+        return Footprint(needs=(need.at("build:*"),), variant_bytes={s.name: weights for s in specs})
 
     def prepare(self, ctx: BuildContext, specs: list[Any]) -> Prepared:
         return Prepared()

@@ -154,11 +154,15 @@ def test_a_format_whose_preparation_fails_fails_only_its_variants(tmp_path: Path
     plan = Plan(source=SourceInput(source=str(source)), model_name="bpe",
                 variants=variants_from_flags(gguf="Q8_0", exl2="4.0"),
                 eval=EvalSpec(window=128, stride=128, max_windows=2, speed=SpeedSpec(enabled=False)))
-    by = {v.variant: v for v in convert_flow(plan, settings).variants}
+    report = convert_flow(plan, settings)
+    by = {v.variant: v for v in report.variants}
     gguf, exl2 = by["Q8_0"], by["EXL2-4.0bpw-ref"]
     assert gguf.status == "failed" and gguf.error_type == "TokenizerUnsupportedError", gguf
     assert "pre-tokenizer" in (gguf.error or "")
     assert exl2.status == "registered" and exl2.eval_status == "ok", exl2
+    # the noise floor would run llama.cpp on that GGUF base: it says why there is none, and fails nothing
+    floor = report.noise_floor or {}
+    assert floor.get("engine") is None and "TokenizerUnsupportedError" in str(floor.get("reason")), floor
     assert {v.name for v in open_registry(settings.registry).list_variants("bpe")} == {"EXL2-4.0bpw-ref"}
     with pytest.raises(TokenizerUnsupportedError, match="pre-tokenizer"):
         convert_flow(plan.model_copy(update={"variants": variants_from_flags(gguf="Q8_0")}), settings)
