@@ -60,7 +60,7 @@ class ResultFile:
     @classmethod
     def read(cls, path: Path) -> ResultFile:
         head = {}
-        for line in path.read_text(encoding="utf-8").splitlines()[:12]:
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines()[:12]:
             m = re.match(r"# (command|commit|CPU|date): (.*)", line)
             if m:
                 head[m.group(1)] = m.group(2).strip()
@@ -142,10 +142,21 @@ def _pairs(text: str) -> list[tuple[str, float, float]]:
     for line in text.splitlines():
         if line.startswith("### ") and "repeats" not in line:
             model = line[4:].split(" (")[0].split(":")[0]
+            if "synthetic" in line and "synthetic" not in model:  # a built-in size named by its key (8b)
+                model += " (SYNTHETIC)"
         m = re.match(r"\| \*\*whole command\*\* \| \*\*([\d.]+)\*\* \| \*\*([\d.]+) = ", line)
         if m:
             out.append((model, float(m.group(1)), float(m.group(2))))
     return out
+
+
+def whole_job_current(root: Path) -> str:
+    """:func:`whole_job`'s rows that have pairs at the current code (README.md; the site shows every row)."""
+    rows = whole_job(root).splitlines()
+    kept = rows[:2] + [r for r in rows[2:] if "| **" in r]
+    if len(kept) == 2:
+        kept.append("| — | — | 0 | — | no pair at the current code yet |")
+    return "\n".join(kept)
 
 
 def whole_job(root: Path) -> str:
@@ -196,9 +207,10 @@ def suite_runs(root: Path) -> str:
     return "\n".join(out)
 
 
-def result_file(root: Path, name: str, heading: str | None = None) -> str:
+def result_file(root: Path, name: str, heading: str | None = None, until: str | None = None) -> str:
     """A result file (or one section of it: from the heading starting with ``heading`` to the next heading of its
-    level or above), its header lines as a list, its headings demoted two levels under the page's."""
+    level or above, or to the first line starting with ``until``, a code block left open there closed), its
+    header lines as a list, its headings demoted two levels under the page's."""
     path = root / "bench" / "results" / name
     if not path.is_file():
         raise FileNotFoundError(f"bench/results/{name} does not exist")
@@ -214,8 +226,16 @@ def result_file(root: Path, name: str, heading: str | None = None) -> str:
         end = next((j for j in range(start + 1, len(body)) if body[j].startswith("#")
                     and len(body[j]) - len(body[j].lstrip("#")) <= level), len(body))
         body = body[start:end]
+    if until is not None:
+        cut = next((i for i, ln in enumerate(body) if ln.strip().startswith(until)), None)
+        if cut is None:
+            raise KeyError(f"bench/results/{name} has no line starting with {until!r} in {heading!r}")
+        body = body[:cut]
+        if sum(ln.startswith("```") for ln in body) % 2:
+            body.append("```")
     body = ["##" + ln if ln.startswith("#") else ln for ln in body]
-    source = [f"*From `bench/results/{name}`*" + (f" ({heading})" if heading else "") + ":", ""]
+    what = f"{heading}, up to “{until}”" if until else heading
+    source = [f"*From `bench/results/{name}`*" + (f" ({what})" if what else "") + ":", ""]
     source += [f"- {h}" for h in head] + ([""] if head else [])
     return "\n".join(source + body).strip()
 
@@ -238,19 +258,22 @@ FRAGMENTS: dict[str, Callable[[Path], str]] = {
     "gpu-status": gpu_status,
     "settings": settings_table,
     "whole-job": whole_job,
+    "whole-job-current": whole_job_current,
     "results-index": results_index,
     "suite-runs": suite_runs,
 }
 
 
 def fragment(name: str, root: Path) -> str:
-    """The text of fragment ``name``: one of :data:`FRAGMENTS`, ``file:RESULT``, ``section:RESULT:HEADING`` or
-    ``code:module.NAME``. Raises KeyError / FileNotFoundError naming what is missing."""
+    """The text of fragment ``name``: one of :data:`FRAGMENTS`, ``file:RESULT``, ``section:RESULT:HEADING``
+    (``section:RESULT:HEADING|UNTIL``: up to the first line starting with UNTIL) or ``code:module.NAME``.
+    Raises KeyError / FileNotFoundError naming what is missing."""
     if name.startswith("file:"):
         return result_file(root, name[5:])
     if name.startswith("section:"):
         _, result, heading = name.split(":", 2)
-        return result_file(root, result, heading)
+        heading, _, until = heading.partition("|")
+        return result_file(root, result, heading, until or None)
     if name.startswith("code:"):
         return code_value(root, name[5:])
     if name not in FRAGMENTS:

@@ -52,6 +52,20 @@ def test_a_hand_typed_measurement_fails_the_check(tmp_path: Path) -> None:
     assert len(found) == 1 and "docs/index.md:1: figure '12.5 s' has no source" in found[0], found
 
 
+def test_a_section_cut_before_a_line_closes_its_code_block(tmp_path: Path) -> None:
+    root = tmp_path
+    (root / "bench" / "results").mkdir(parents=True)
+    (root / "bench" / "results" / "demo.txt").write_text(
+        "# command: make demo\n\n### demo results\n\n```\n| Q8_0 | 1.77e-05 |\ntime and memory per stage\n"
+        "| build | 0.3 |\n```\n\n### setup output\n")
+    text = docs.fragment("section:demo.txt:demo results|time and memory per stage", root)
+    assert "| Q8_0 | 1.77e-05 |" in text and "build" not in text and "setup" not in text
+    assert text.endswith("```") and text.count("```") == 2, text
+    assert "up to “time and memory per stage”" in text
+    with pytest.raises(KeyError, match="no line starting with 'nowhere'"):
+        docs.fragment("section:demo.txt:demo results|nowhere", root)
+
+
 def test_a_missing_result_file_or_fragment_is_named(tmp_path: Path) -> None:
     root = _site(tmp_path, "1")
     (root / "docs" / "a.md").write_text("<!-- render:file:gone.txt -->\n<!-- /render -->\n"
