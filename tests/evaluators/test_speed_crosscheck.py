@@ -48,5 +48,19 @@ def test_llamacpp_speed_agrees_with_llama_bench_and_batched_bench(tmp_path: Path
     rows = crosscheck(cfg, gguf, spec, ROUNDS, tmp_path)
     assert [r["metric"] for r in rows][:3] == ["pp tok/s", "tg tok/s", "TTFT ms"]
     assert len(rows) == 3 + 2 * len(PARALLEL) and all(len(r["ratios"]) == ROUNDS for r in rows)
-    bad = {r["metric"]: round(r["best_ratio"], 3) for r in rows if abs(r["best_ratio"] - 1.0) > TOLERANCE}
-    assert not bad, f"ours / llama.cpp's tools (best repetitions) outside ±{TOLERANCE:.0%}: {bad} (all: {rows})"
+    bad = _outside(rows)
+    if bad:
+        # A timing excursion does not repeat; a definition error (×1.5 and more, above) does. Seen in a full
+        # `make test` on the 2-core AMD EPYC VM (2026-12-07): decode-only aggregate N=8 at 1.297, per-round ratios
+        # 0.70-1.69, while the same test alone read within ±25 %. So a metric fails when a second measurement,
+        # made at once, is outside the tolerance too.
+        again = tmp_path / "again"
+        again.mkdir()
+        second = _outside(crosscheck(cfg, gguf, spec, ROUNDS, again))
+        bad = {m: (r, second[m]) for m, r in bad.items() if m in second}
+    assert not bad, f"ours / llama.cpp's tools (best repetitions) outside ±{TOLERANCE:.0%} twice: {bad} (all: {rows})"
+
+
+def _outside(rows: list[dict]) -> dict[str, float]:
+    """The metrics whose best-repetition ratio is outside the tolerance, with that ratio."""
+    return {r["metric"]: round(r["best_ratio"], 3) for r in rows if abs(r["best_ratio"] - 1.0) > TOLERANCE}
