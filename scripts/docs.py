@@ -152,16 +152,13 @@ def _pairs(text: str) -> list[tuple[str, float, float]]:
 
 def whole_job_current(root: Path) -> str:
     """:func:`whole_job`'s rows that have pairs at the current code (README.md; the site shows every row)."""
-    rows = whole_job(root).splitlines()
-    kept = rows[:2] + [r for r in rows[2:] if "| **" in r]
-    if len(kept) == 2:
-        kept.append("| — | — | 0 | — | no pair at the current code yet |")
-    return "\n".join(kept)
+    return whole_job(root, current_only=True)
 
 
-def whole_job(root: Path) -> str:
+def whole_job(root: Path, current_only: bool = False) -> str:
     """The whole job against llama.cpp's own tools: per machine kind and model, the median ratio of every pair
-    measured at the current code, with the count; where none is at the current code, the latest and its commit."""
+    measured at the current code, with the count; where none is at the current code, the latest and its commit
+    (``current_only``: those rows left out)."""
     groups: dict[tuple[str, str], list[tuple[float, ResultFile]]] = {}
     for f in results(root, "pipeline_vs_llamacpp*.txt"):
         for model, hand, qy in _pairs(f.path.read_text(encoding="utf-8")):
@@ -177,10 +174,12 @@ def whole_job(root: Path) -> str:
             names = sorted({f.path.name for _, f in now})
             out.append(f"| {machine} | {model} | {len(now)} | **{statistics.median(r for r, _ in now):.3f}** "
                        f"| {', '.join(f'`{n}`' for n in names)} |")
-        else:
+        elif not current_only:
             last = max(runs, key=lambda x: x[1].date)
             out.append(f"| {machine} | {model} | 0 (latest at {last[1].commit or '?'}: {last[0]:.3f}) | — "
                        f"| `{last[1].path.name}` |")
+    if current_only and len(out) == 2:
+        out.append("| — | — | 0 | — | no pair at the current code yet |")
     return "\n".join(out)
 
 
@@ -214,7 +213,7 @@ def result_file(root: Path, name: str, heading: str | None = None, until: str | 
     path = root / "bench" / "results" / name
     if not path.is_file():
         raise FileNotFoundError(f"bench/results/{name} does not exist")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     head = [ln[2:] for ln in lines if ln.startswith("# ")][:6]
     body = [ln for ln in lines if not ln.startswith("# ")]
     if heading is not None:
