@@ -142,7 +142,7 @@ def _pairs(text: str) -> list[tuple[str, float, float]]:
     for line in text.splitlines():
         if line.startswith("### ") and "repeats" not in line:
             model = line[4:].split(" (")[0].split(":")[0]
-            if "synthetic" in line and "synthetic" not in model:  # a built-in size named by its key (8b)
+            if "synthetic" in line:  # a synthetic checkpoint's path, or a built-in size's heading (8b)
                 model += " (SYNTHETIC)"
         m = re.match(r"\| \*\*whole command\*\* \| \*\*([\d.]+)\*\* \| \*\*([\d.]+) = ", line)
         if m:
@@ -163,7 +163,6 @@ def whole_job(root: Path, current_only: bool = False) -> str:
     for f in results(root, "pipeline_vs_llamacpp*.txt"):
         for model, hand, qy in _pairs(f.path.read_text(encoding="utf-8")):
             name = Path(model).name if "/" in model else model
-            name = f"{name} (SYNTHETIC)" if "synthetic" in model else name
             groups.setdefault((f.machine, name), []).append((qy / hand, f))
     out = ["| machine (2 cores) | checkpoint | pairs at the current code | median ratio (Quantyard / llama.cpp) "
            "| files |",
